@@ -1,0 +1,3 @@
+"""servelm: a Python framework for serving large language models."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from servelm.cli.main import main
+
+raise SystemExit(main())
