@@ -1,0 +1,141 @@
+"""Server configuration.
+
+`ServerArgs` is a frozen dataclass and the single home of every default: the
+argparse parser is generated from its fields, so a flag's default, type and
+help text live in exactly one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A server argument is invalid; the message says which and why."""
+
+
+def _opt(default: Any, help: str, *, choices: list | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # Model
+    model_path: str | None = _opt(None, "HF folder, .gguf file, or none for the embedded default model.",
+                                  aliases=("--model",))
+    tokenizer_path: str | None = _opt(None, "Tokenizer folder (defaults to the model's).")
+    served_model_name: str | None = _opt(None, "Model name reported by the API (defaults to the model path).")
+    dtype: str = _opt("auto", "Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.",
+                      choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = _opt("auto", "Device to run on.", choices=["auto", "cpu", "cuda"])
+    context_length: int | None = _opt(None, "Override the model's maximum context length.")
+    chat_template: str | None = _opt(None, "Chat template override: a Jinja file path or template string.")
+    trust_remote_code: bool = _opt(False, "Accepted for compatibility; remote code is never run.")
+
+    # HTTP server
+    host: str = _opt("127.0.0.1", "Host to bind.")
+    port: int = _opt(30000, "Port to bind.")
+    api_key: str | None = _opt(None, "Require this bearer token on every API request.")
+    max_queued_requests: int = _opt(256, "Requests waiting beyond this answer 429.")
+    log_requests: bool = _opt(False, "Log every request and its output.")
+    log_level: str = _opt("info", "Log level.", choices=["debug", "info", "warning", "error"])
+
+    # Memory and scheduling
+    page_size: int = _opt(1, "Tokens per KV page.")
+    max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides the memory-based size).")
+    cpu_kv_cache_gb: float = _opt(4.0, "KV pool budget on CPU, in GiB.")
+    mem_fraction_static: float = _opt(0.85, "Fraction of free GPU memory after weights used for the KV pool.")
+    chunked_prefill_size: int = _opt(512, "Token budget per scheduler step (prefill chunks + decodes).")
+    max_running_requests: int = _opt(64, "Most requests decoding at once.")
+    disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.")
+    disable_torch_compile: bool = _opt(False, "Use the eager PyTorch path only.")
+    random_seed: int = _opt(0, "Seed for sampling when a request gives none.")
+    enable_deterministic_inference: bool = _opt(False, "Batch-invariant kernels and sampling.")
+
+    # Parallelism
+    tp_size: int = _opt(1, "Tensor-parallel size.", aliases=("--tp",))
+    nnodes: int = _opt(1, "Number of nodes.")
+    node_rank: int = _opt(0, "This node's rank.")
+    dist_init_addr: str | None = _opt(None, "host:port of the torch.distributed rendezvous.")
+    dist_timeout: int = _opt(600, "Timeout of collectives, in seconds.")
+    quick_allreduce: str = _opt("none", "Quantised all-reduce mode.", choices=["none", "fp", "int8", "int6", "int4"])
+    quick_allreduce_min_bytes: int = _opt(1 << 20, "Smallest message that takes the quick all-reduce.")
+    enable_tp_lm_head_all_to_all: bool = _opt(False, "Sample vocab-parallel logits after an all-to-all.")
+    strict_memory_balance: bool = _opt(False, "Fail when ranks see unbalanced free memory.")
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}"),
+            (self.chunked_prefill_size >= 1, f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}"),
+            (self.max_running_requests >= 1, f"--max-running-requests must be >= 1, got {self.max_running_requests}"),
+            (self.max_total_tokens is None or self.max_total_tokens >= 1,
+             f"--max-total-tokens must be >= 1, got {self.max_total_tokens}"),
+            (self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be > 0, got {self.cpu_kv_cache_gb}"),
+            (0 < self.mem_fraction_static < 1, f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
+            (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),
+            (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
+            (0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
+            (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
+            (self.max_queued_requests >= 1, f"--max-queued-requests must be >= 1, got {self.max_queued_requests}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ConfigError(msg)
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field; defaults, types and help come from the field."""
+        parser.add_argument("--config", default=None, help="YAML file of arguments (CLI flags win).")
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag, *f.metadata.get("aliases", ())]
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(*names, dest=f.name, action="store_true", default=f.default, help=help_text)
+                continue
+            ftype = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            parser.add_argument(*names, dest=f.name, type=ftype, default=f.default,
+                                choices=f.metadata.get("choices"), help=f"{help_text} (default: {f.default})")
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
+        config_path = getattr(ns, "config", None)
+        if config_path:
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            for key, value in load_config_file(config_path).items():
+                name = key.replace("-", "_")
+                if name == "model":
+                    name = "model_path"
+                if name not in defaults:
+                    raise ConfigError(f"unknown key '{key}' in config file {config_path}")
+                # A flag given on the command line beats the file.
+                if values.get(name) == defaults[name]:
+                    values[name] = value
+        return cls(**values)
+
+    @classmethod
+    def from_cli(cls, argv: list[str], prog: str = "servelm serve") -> ServerArgs:
+        parser = argparse.ArgumentParser(prog=prog)
+        cls.add_cli_args(parser)
+        return cls.from_namespace(parser.parse_args(argv))
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of argument names to values")
+    return data

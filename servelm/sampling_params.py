@@ -1,0 +1,93 @@
+"""Per-request sampling parameters, validated in one place.
+
+The HTTP server turns a `SamplingParamsError` into a 400 naming the field;
+the offline Engine raises it to the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise SamplingParamsError on the first out-of-range field."""
+        def bad(param: str, msg: str) -> None:
+            raise SamplingParamsError(param, msg)
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
+            bad("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_new_tokens}")
+        if self.temperature < 0:
+            bad("temperature", f"temperature must be non-negative, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            bad("top_k", f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not 1 <= self.n <= 128:
+            bad("n", f"n must be in [1, 128], got {self.n}")
+        if not 0 <= self.top_logprobs <= 20:
+            bad("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "stop must be a non-empty string or a list of non-empty strings")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
+            bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise SamplingParamsError(sorted(unknown)[0], f"unknown sampling parameter: {', '.join(sorted(unknown))}")
+        return cls(**data)
