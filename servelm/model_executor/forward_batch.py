@@ -1,0 +1,71 @@
+"""What one model forward needs: flat tokens of a mixed batch plus KV metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class KVCache:
+    """Per-layer K and V storage indexed by token slot: [layers, slots, kv_heads, head_dim].
+
+    Slot numbers come from the PageAllocator (slot = page * page_size + offset);
+    this class only stores tensors and never decides who owns a slot.
+    """
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, num_slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class ForwardBatch:
+    """One scheduler step, flattened.
+
+    Request i contributes tokens [extend_start[i], extend_start[i] + extend_lens[i])
+    of the flat `input_ids`; its whole KV (prefix + new) is at `kv_indices[i]`.
+    """
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    out_cache_loc: torch.Tensor  # [T] slot for each new token's K/V
+    extend_lens: list[int]
+    seq_lens: list[int]  # prefix + new tokens, per request
+    kv_indices: list[torch.Tensor]  # per request, [seq_len]
+    logits_indices: torch.Tensor  # [R] rows of the flat batch whose logits are needed
+    kv_cache: KVCache | None = None
+    # Decode-only steps (every request adds one token) batch attention:
+    decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with 0
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool, True = attend
+
+    @property
+    def is_decode(self) -> bool:
+        return self.decode_kv_index is not None
+
+    @classmethod
+    def build(cls, input_ids: list[int], positions: list[int], out_cache_loc: list[int], extend_lens: list[int],
+              kv_indices: list[list[int]], logits_indices: list[int], device: torch.device) -> ForwardBatch:
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        seq_lens = [len(k) for k in kv_indices]
+        fb = cls(input_ids=t(input_ids), positions=t(positions), out_cache_loc=t(out_cache_loc),
+                 extend_lens=extend_lens, seq_lens=seq_lens, kv_indices=[t(k) for k in kv_indices],
+                 logits_indices=t(logits_indices))
+        if all(n == 1 for n in extend_lens):
+            max_len = max(seq_lens)
+            index = torch.zeros(len(seq_lens), max_len, dtype=torch.long, device=device)
+            for i, k in enumerate(fb.kv_indices):
+                index[i, : len(k)] = k
+            lens = torch.tensor(seq_lens, device=device)
+            fb.decode_kv_index = index
+            fb.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+        return fb

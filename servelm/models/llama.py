@@ -1,0 +1,169 @@
+"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral); Qwen2/Qwen3 reuse it.
+
+Mirrors transformers' modeling_llama. Parameter names are HF's, except that
+q/k/v and gate/up are fused; `load_weights` maps the HF names onto them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from servelm.layers.attention import PagedAttention
+from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from servelm.layers.layernorm import RMSNorm
+from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from servelm.layers.logits import LogitsProcessor
+from servelm.layers.rotary import RotaryEmbedding
+from servelm.model_executor.forward_batch import ForwardBatch
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.head_dim = head_dim_of(config)
+        bias = getattr(config, "attention_bias", False) or self.qkv_bias
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=bias, dtype=dtype)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False) and not self.qkv_bias,
+                                        dtype=dtype)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # [T, H*D] -> [T, H, D]
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, fb))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"Unsupported activation '{config.hidden_act}'; only silu is implemented")
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
+                                                       bias=getattr(config, "mlp_bias", False), dtype=dtype)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size,
+                                           bias=getattr(config, "mlp_bias", False), dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: PretrainedConfig, layer_id: int, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_id, rotary, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, fb)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
+        rotary = RotaryEmbedding(config, head_dim_of(config), max_positions)
+        self.layers = nn.ModuleList(self.layer_cls(config, i, rotary, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(fb.input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(fb.positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    model_cls = LlamaModel
+    # HF checkpoint name fragment -> (fused parameter fragment, shard id)
+    stacked_params = (
+        (".q_proj.", ".qkv_proj.", 0), (".k_proj.", ".qkv_proj.", 1), (".v_proj.", ".qkv_proj.", 2),
+        (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1),
+    )
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = self.model_cls(config, dtype, max_positions or config.max_position_embeddings)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = (self.model.embed_tokens if self.tie_word_embeddings
+                        else ParallelLMHead(config.vocab_size, config.hidden_size, dtype))
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """Returns fp32 logits [R, vocab] for the rows in fb.logits_indices."""
+        hidden = self.model(fb)
+        return self.logits_processor(hidden[fb.logits_indices], self.lm_head)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this rank's shards; returns the names of parameters loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            shard_id = None
+            for hf_part, fused_part, sid in self.stacked_params:
+                if hf_part in name:
+                    name, shard_id = name.replace(hf_part, fused_part), sid
+                    break
+            if name not in params:
+                raise ValueError(f"Checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, shard_id)
+            loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral is Llama-shaped; sliding-window attention is not applied (full attention)."""
