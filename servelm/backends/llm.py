@@ -1,0 +1,52 @@
+"""The built-in `llm` serve backend: the OpenAI-compatible HTTP server.
+
+It is the fallback of `--model-type auto`, so it has no detector, and it needs
+no model path: without one it serves the embedded default model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from servelm.cli.serve import StrictArgumentParser, wants_help
+from servelm.cli.serve_backends import SERVE_BACKEND_API_VERSION, ServeBackend, ServeRequest
+from servelm.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+PROG = "servelm serve"
+
+
+def build_parser() -> StrictArgumentParser:
+    """The `servelm serve` parser of the llm backend: one flag per ServerArgs field."""
+    parser = StrictArgumentParser(
+        prog=PROG,
+        description="llm backend: serve a language model over an OpenAI-compatible HTTP API.",
+    )
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def run(request: ServeRequest) -> None:
+    """Parse `request.argv`; print help, or launch the HTTP server and block until it stops."""
+    parser = build_parser()
+    if wants_help(request.argv):
+        parser.print_help()
+        return
+    server_args = ServerArgs.from_namespace(parser.parse_args(list(request.argv)))
+    if server_args.model_path is None:
+        logger.info("No --model-path given: serving the embedded default model")
+    # Imported here so that help, detection and `servelm backends` never pull in the runtime.
+    from servelm.entrypoints.http_server import launch_server
+
+    launch_server(server_args)
+
+
+def create_backend() -> ServeBackend:
+    """Factory of the built-in `llm` backend."""
+    return ServeBackend(
+        api_version=SERVE_BACKEND_API_VERSION,
+        run=run,
+        detect=None,
+        requires_model_path=False,
+    )
