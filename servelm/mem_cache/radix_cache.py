@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from servelm.mem_cache.kv_pool import PageAllocator, pages_of
@@ -92,7 +92,7 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` unlocked cached pages if possible; returns how many were freed."""
+        """Free up to `num_pages` unlocked cached pages; returns how many were freed."""
 
     @abstractmethod
     def reset(self) -> bool:
@@ -168,6 +168,8 @@ class RadixCache(BasePrefixCache):
         """Length of the common page-aligned prefix of `key` and tokens[pos:]."""
         P = self.page_size
         n = min(len(key), len(tokens) - pos) // P * P
+        if key[:n] == tokens[pos:pos + n]:  # the common case, compared in C
+            return n
         i = P  # the first page matched already: it is the child's dict key
         while i < n and key[i:i + P] == tokens[pos + i:pos + i + P]:
             i += P
@@ -366,17 +368,11 @@ class RadixCache(BasePrefixCache):
         """Free every cached page; refuses (False) while any request holds a lock."""
         if self._protected:
             return False
-        pages: list[int] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            pages.extend(pages_of(node.value, self.page_size))
-            stack.extend(node.children.values())
-        self.allocator.free(pages)
+        self.allocator.free([p for node in self.iter_nodes() for p in pages_of(node.value, self.page_size)])
         self._init_tree()
         return True
 
-    def iter_nodes(self):
+    def iter_nodes(self) -> Iterator[TreeNode]:
         """All non-root nodes, parents before children."""
         stack = list(self.root.children.values())
         while stack:
