@@ -17,8 +17,10 @@ class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # NOTE: uninitialised on purpose (zeroing GiBs costs seconds at start-up). Attention only ever
+        # reads slots a request wrote: decode padding repeats the row's own first slot, never slot 0.
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
 
     @staticmethod
@@ -43,7 +45,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [R] rows of the flat batch whose logits are needed
     kv_cache: KVCache | None = None
     # Decode-only steps (every request adds one token) batch attention:
-    decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with 0
+    decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with the row's first slot
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool, True = attend
 
     @property
@@ -62,9 +64,10 @@ class ForwardBatch:
                  logits_indices=t(logits_indices))
         if all(n == 1 for n in extend_lens):
             max_len = max(seq_lens)
-            index = torch.zeros(len(seq_lens), max_len, dtype=torch.long, device=device)
+            index = torch.empty(len(seq_lens), max_len, dtype=torch.long, device=device)
             for i, k in enumerate(fb.kv_indices):
                 index[i, : len(k)] = k
+                index[i, len(k):] = k[0]
             lens = torch.tensor(seq_lens, device=device)
             fb.decode_kv_index = index
             fb.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]

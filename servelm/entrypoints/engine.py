@@ -1,0 +1,150 @@
+"""The offline Engine: the scheduler driven in-process, no server, no IPC.
+
+    engine = Engine(model_path="...")            # or Engine(ServerArgs(...)); no path = embedded default
+    engine.generate("Hello", {"max_new_tokens": 16, "temperature": 0})
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from servelm.config import ServerArgs
+from servelm.managers.io_struct import GenerateReq, TokenOut
+from servelm.managers.scheduler import Scheduler
+from servelm.sampling_params import SamplingParams
+
+
+class _Result:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.last: TokenOut | None = None
+
+    def add(self, out: TokenOut) -> None:
+        self.text += out.text
+        self.ids += out.token_ids
+        self.logprobs += out.logprobs
+        self.top += [[tuple(x) for x in t] for t in out.top_logprobs]
+        self.last = out
+
+    def as_dict(self, want_logprobs: bool) -> dict[str, Any]:
+        last = self.last
+        assert last is not None
+        d: dict[str, Any] = {
+            "text": self.text, "output_ids": self.ids, "finish_reason": last.finish_reason,
+            "usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+                      "cached_tokens": last.cached_tokens},
+        }
+        if want_logprobs:
+            d["logprobs"] = self.logprobs
+            d["top_logprobs"] = self.top
+        return d
+
+
+class Engine:
+    def __init__(self, server_args: ServerArgs | None = None, **kwargs: Any) -> None:
+        if server_args is None:
+            server_args = ServerArgs(**kwargs)
+        elif kwargs:
+            server_args = server_args.replace(**kwargs)
+        self.server_args = server_args
+        self.scheduler = Scheduler.from_server_args(server_args)
+        self.tokenizer = self.scheduler.tokenizer
+        self._ids = itertools.count()
+
+    def _make_reqs(self, prompt: str | list[str] | None, sampling_params: dict | list[dict] | None,
+                   input_ids: list[int] | list[list[int]] | None) -> tuple[bool, list[tuple[GenerateReq, bool]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        single = isinstance(prompt, str) or (input_ids is not None and input_ids and isinstance(input_ids[0], int))
+        if prompt is not None:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            token_lists = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        else:
+            token_lists = [input_ids] if single else list(input_ids)  # type: ignore[list-item]
+        params_list = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_lists)
+        if len(params_list) != len(token_lists):
+            raise ValueError("sampling_params must be one dict or one per prompt")
+        reqs = []
+        for ids, sp in zip(token_lists, params_list):
+            params = SamplingParams.from_dict(dict(sp or {}))
+            params.validate(self.scheduler.vocab_size)
+            base = f"req{next(self._ids)}"
+            for i in range(params.n):
+                rid = base if params.n == 1 else f"{base}-{i}"
+                reqs.append((GenerateReq(rid, list(ids), params.to_dict(), stream=False, sample_index=i),
+                             params.logprobs))
+        return bool(single), reqs
+
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 stream: bool = False) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
+        """Generate for one prompt (-> dict, or list of n dicts when n > 1) or a batch (-> flat list).
+
+        With stream=True (one prompt, n=1) returns an iterator of dicts whose "text" and "output_ids"
+        are the increments, the last one carrying finish_reason and usage.
+        """
+        single, reqs = self._make_reqs(prompt, sampling_params, input_ids)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream=True supports one prompt with n=1")
+            return self._stream(reqs[0][0])
+        results = {}
+        for req, _ in reqs:
+            self.scheduler.add_request(req)
+            results[req.rid] = _Result(req.rid)
+        pending = set(results)
+        try:
+            while pending:
+                for out in self.scheduler.step():
+                    results[out.rid].add(out)
+                    if out.finish_reason is not None:
+                        pending.discard(out.rid)
+        finally:
+            for rid in pending:
+                self.scheduler.abort_request(rid)
+        dicts = [results[req.rid].as_dict(want) for req, want in reqs]
+        if single:
+            return dicts[0] if len(dicts) == 1 else dicts
+        return dicts
+
+    def _stream(self, req: GenerateReq) -> Iterator[dict[str, Any]]:
+        req.stream = True
+        self.scheduler.add_request(req)
+        done = False
+        try:
+            while not done:
+                for out in self.scheduler.step():
+                    if out.rid != req.rid:
+                        continue
+                    done = out.finish_reason is not None
+                    chunk: dict[str, Any] = {"text": out.text, "output_ids": out.token_ids,
+                                             "finish_reason": out.finish_reason}
+                    if done:
+                        chunk["usage"] = {"prompt_tokens": out.prompt_tokens,
+                                          "completion_tokens": out.completion_tokens,
+                                          "cached_tokens": out.cached_tokens}
+                    yield chunk
+        finally:
+            if not done:
+                self.scheduler.abort_request(req.rid)
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def server_info(self) -> dict[str, Any]:
+        return self.scheduler.server_info()
+
+    def shutdown(self) -> None:
+        """Nothing runs in the background; kept for API symmetry with a server-backed engine."""
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,109 @@
+"""Batched sampling: penalties, greedy, temperature, top-k/top-p/min-p, seeded draws.
+
+Randomness never comes from a global generator: each row draws from a
+generator seeded by (request seed, sample index, position), so a request's
+tokens do not depend on what else is in the batch or on retraction and
+recomputation. The draw is Gumbel-max, so filtering stays a logits mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from servelm.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, sample_index: int, position: int) -> int:
+    """splitmix64 over the three counters: a well-spread 63-bit seed per draw."""
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    position: int  # position of the token being sampled
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_new_tokens
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place, on the rows that ask for any penalty (HF/OpenAI semantics)."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
+            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            counts = counts.to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if row.banned_ids:
+            logits[i, torch.tensor(row.banned_ids, dtype=torch.long)] = float("-inf")
+
+
+def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row [V], already divided by temperature -> logits with excluded tokens at -inf."""
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        drop_sorted = (probs.cumsum(-1) - probs) >= p.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
+    """logits: fp32 [R, V] (raw model output; modified in place)."""
+    want_logprobs = any(r.params.logprobs for r in rows)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    apply_penalties(logits, rows)
+    tokens: list[int] = []
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    greedy_tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+    for i, row in enumerate(rows):
+        if i in greedy_tokens:
+            tokens.append(greedy_tokens[i])
+            continue
+        scaled = filter_logits(logits[i] / row.params.temperature, row.params)
+        gen = torch.Generator(device="cpu").manual_seed(mix_seed(row.seed, row.sample_index, row.position))
+        u = torch.rand(scaled.shape[-1], generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+        gumbel = -torch.log(-torch.log(u))
+        tokens.append(int(torch.argmax(scaled.double().to("cpu") + gumbel)))
+    out_lp: list[float | None] = [None] * len(rows)
+    out_top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    if raw_logprobs is not None:
+        for i, row in enumerate(rows):
+            if not row.params.logprobs:
+                continue
+            out_lp[i] = float(raw_logprobs[i, tokens[i]])
+            if row.params.top_logprobs:
+                vals, idx = torch.topk(raw_logprobs[i], row.params.top_logprobs)
+                out_top[i] = list(zip(idx.tolist(), vals.tolist()))
+    return SampleOutput(tokens, out_lp, out_top)

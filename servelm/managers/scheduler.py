@@ -1,0 +1,374 @@
+"""The scheduler: admits requests within a token budget and runs one mixed batch per step.
+
+As in vLLM v1, a request carries counters (`num_computed` of `len(all_ids)`
+tokens have KV), not a prefill/decode phase. Each step hands out a token
+budget (`chunked_prefill_size`): running requests first (one token each when
+decoding, the next chunk when still prefilling), then waiting requests, so
+chunked prefill and mixed prefill+decode batches need no special cases.
+
+KV bookkeeping is plain Python over page ids (PageAllocator + prefix cache);
+the model runner only sees the resulting ForwardBatch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from servelm.layers.sampler import SamplingRow, sample
+from servelm.managers.detokenizer import IncrementalDetokenizer
+from servelm.managers.io_struct import GenerateReq, TokenOut
+from servelm.mem_cache.kv_pool import PageAllocator, slots_for
+from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, check_integrity
+from servelm.model_executor.forward_batch import ForwardBatch
+from servelm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the scheduler needs from a model runner (a fake one in unit tests)."""
+
+    device: torch.device
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor: ...
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    stream: bool
+    detok: IncrementalDetokenizer
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # leading tokens of all_ids whose KV is in the pool
+    pages: list[int] = field(default_factory=list)  # KV pages covering positions [0, num_computed)
+    slots: list[int] = field(default_factory=list)  # slot of each computed position (cached expansion of pages)
+    own_from: int = 0  # positions < own_from live in prefix-cache pages (locked via `node`)
+    node: Any = None
+    cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
+    admitted: bool = False
+    finish_reason: dict[str, Any] | None = None
+    # Not yet handed out (a non-streaming request gets everything at the end):
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    pending_top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int
+    page_size: int = 1
+    chunked_prefill_size: int = 512
+    max_running_requests: int = 64
+    max_context_len: int = 4096
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    deterministic: bool = False
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, tokenizer: Any, config: SchedulerConfig, eos_token_ids: list[int],
+                 vocab_size: int, model_info: dict[str, Any] | None = None) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self._model_info = dict(model_info or {})
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        self.cache = NoPrefixCache(self.allocator) if config.disable_radix_cache else RadixCache(self.allocator)
+        # A request must fit in the pool on its own, or retraction could never make room.
+        self.max_context_len = min(config.max_context_len, (config.num_pages - 1) * config.page_size)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._rng = random.Random(config.random_seed)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
+                      "finished": 0, "aborted": 0}
+
+    @classmethod
+    def from_server_args(cls, server_args: Any) -> Scheduler:
+        from servelm.model_executor.model_runner import ModelRunner
+
+        runner = ModelRunner(server_args)
+        cfg = SchedulerConfig(num_pages=runner.num_pages, page_size=server_args.page_size,
+                              chunked_prefill_size=server_args.chunked_prefill_size,
+                              max_running_requests=server_args.max_running_requests,
+                              max_context_len=runner.max_context_len,
+                              disable_radix_cache=server_args.disable_radix_cache,
+                              random_seed=server_args.random_seed,
+                              deterministic=server_args.enable_deterministic_inference)
+        return cls(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info())
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, req: GenerateReq) -> None:
+        """Queue a tokenized request; ValueError (SamplingParamsError) if it can never be served."""
+        params = SamplingParams.from_dict(dict(req.sampling_params))
+        params.validate(self.vocab_size)
+        if not req.input_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if len(req.input_ids) + params.max_new_tokens > self.max_context_len:
+            raise ValueError(f"This model's maximum context length is {self.max_context_len} tokens. However, you "
+                             f"requested {len(req.input_ids) + params.max_new_tokens} tokens "
+                             f"({len(req.input_ids)} in the prompt, {params.max_new_tokens} to generate).")
+        if params.seed is not None:
+            seed = params.seed
+        elif self.config.deterministic:
+            seed = self.config.random_seed
+        else:
+            seed = self._rng.getrandbits(63)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        self.waiting.append(Req(req.rid, list(req.input_ids), params, seed, req.sample_index, req.stream, detok))
+        self.stats["prompt_tokens"] += len(req.input_ids)
+
+    def abort_request(self, rid: str) -> list[TokenOut]:
+        """Abort `rid` (and its n-samples `rid-i`); frees its KV now."""
+        def matches(r: Req) -> bool:
+            return r.rid == rid or r.rid.startswith(rid + "-")
+
+        outs = []
+        for r in [r for r in self.waiting if matches(r)]:
+            self.waiting.remove(r)
+            outs.append(self._finish(r, {"type": "abort", "matched": None, "message": "aborted"}))
+        for r in [r for r in self.running if matches(r)]:
+            self.running.remove(r)
+            outs.append(self._finish(r, {"type": "abort", "matched": None, "message": "aborted"}))
+        return outs
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------ KV bookkeeping
+    def _ensure_pages(self, req: Req, upto: int) -> bool:
+        need = -(-upto // self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            self.cache.evict(need - self.allocator.num_free_pages)
+            pages = self.allocator.alloc(need)
+            if pages is None:
+                return False
+        req.pages.extend(pages)
+        return True
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache (or free it) and drop all its references."""
+        n = req.num_computed
+        if req.pages:
+            all_slots = slots_for(req.pages, self.page_size, 0, len(req.pages) * self.page_size)
+            # Pass whole pages past num_computed too, so the trailing partial page is freed by the cache.
+            self.cache.cache_finished_req(req.all_ids[:n], all_slots[:n], req.own_from, req.node)
+        elif req.node is not None:
+            self.cache.dec_lock_ref(req.node)
+        req.pages, req.slots, req.node, req.own_from, req.num_computed = [], [], None, 0, 0
+
+    def in_use_pages(self) -> int:
+        return sum(len(r.pages) - r.own_from // self.page_size for r in self.running)
+
+    def check_integrity(self) -> None:
+        """Raise unless free + cached + in use == total pages."""
+        check_integrity(self.allocator, self.cache, self.in_use_pages())
+
+    def _retract_newest(self, keep: set[int]) -> bool:
+        """Free the newest running request not in `keep` and requeue it at the front. Its output so far
+        is kept; positions are recomputed on re-admission, and seeded sampling is keyed by position, so
+        its output is unchanged."""
+        for req in reversed(self.running):
+            if id(req) in keep:
+                continue
+            self.running.remove(req)
+            self._release(req)
+            self.waiting.appendleft(req)
+            self.stats["retractions"] += 1
+            logger.info("KV pool full: retracted request %s (%d tokens) back to the queue", req.rid, req.seq_len)
+            return True
+        return False
+
+    # ------------------------------------------------------------ scheduling
+    def schedule(self) -> list[tuple[Req, int]]:
+        """Pick this step's work: [(req, number of new tokens)], with KV pages allocated."""
+        budget = self.config.chunked_prefill_size
+        plan: list[tuple[Req, int]] = []
+        planned: set[int] = set()
+        retracted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.seq_len - req.num_computed, budget)
+            while not self._ensure_pages(req, req.num_computed + n):
+                if not self._retract_newest(planned | {id(req)}):
+                    # Nothing else to take memory from: this request itself goes back.
+                    self._retract_newest(planned)
+                    n = 0
+                    break
+                retracted = True
+            if n == 0:
+                break  # req itself was retracted; later entries are newer and were retracted before it
+            plan.append((req, n))
+            planned.add(id(req))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not retracted and len(self.running) < self.config.max_running_requests:
+            req = self.waiting[0]
+            if not req.admitted or req.num_computed == 0:
+                self._match_prefix(req)
+            n = min(req.seq_len - req.num_computed, budget)
+            if not self._ensure_pages(req, req.num_computed + n):
+                self._release(req)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            plan.append((req, n))
+            budget -= n
+        return plan
+
+    def _match_prefix(self, req: Req) -> None:
+        # The last token is never matched: it must be computed to get logits for the next one.
+        match = self.cache.match_prefix(req.all_ids[:-1])
+        slots = match.slots
+        self.cache.inc_lock_ref(match.node)
+        req.node = match.node
+        req.pages = [s // self.page_size for s in slots[:: self.page_size]]
+        req.slots = list(slots)
+        req.own_from = req.num_computed = len(slots)
+        if not req.admitted:
+            req.cached_tokens = len(slots)
+            self.stats["cached_tokens"] += len(slots)
+            req.admitted = True
+
+    # ------------------------------------------------------------ one step
+    def step(self) -> list[TokenOut]:
+        """Schedule, run one forward over the mixed batch, sample, and report progress."""
+        plan = self.schedule()
+        if not plan:
+            return []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        out_loc: list[int] = []
+        kv_indices: list[list[int]] = []
+        logits_rows: list[int] = []
+        sampled: list[Req] = []
+        for req, n in plan:
+            start, end = req.num_computed, req.num_computed + n
+            ids = req.all_ids
+            new_slots = slots_for(req.pages, self.page_size, start, end)
+            req.slots.extend(new_slots)
+            input_ids.extend(ids[start:end])
+            positions.extend(range(start, end))
+            out_loc.extend(new_slots)
+            kv_indices.append(req.slots)
+            if end == len(ids):
+                logits_rows.append(len(input_ids) - 1)
+                sampled.append(req)
+        fb = ForwardBatch.build(input_ids, positions, out_loc, [n for _, n in plan], kv_indices, logits_rows,
+                                self.runner.device)
+        logits = self.runner.forward(fb)  # also run when nothing samples: partial chunks still fill KV
+        for req, n in plan:
+            req.num_computed += n
+        outputs: list[TokenOut] = []
+        if sampled:
+            rows = [SamplingRow(r.params, r.seed, r.sample_index, r.seq_len, r.prompt_ids, r.output_ids,
+                                self._banned_ids(r)) for r in sampled]
+            result = sample(logits, rows)
+            for k, req in enumerate(sampled):
+                self._append_token(req, result.token_ids[k], result.logprobs[k], result.top_logprobs[k])
+                if req.finish_reason is not None:
+                    self.running.remove(req)
+                    outputs.append(self._finish(req, req.finish_reason))
+                elif req.stream:
+                    outputs.append(self._make_out(req))
+        return outputs
+
+    def _banned_ids(self, req: Req) -> list[int]:
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return []
+        return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_token_ids)
+
+    def _append_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
+        p = req.params
+        req.output_ids.append(token)
+        req.pending_ids.append(token)
+        if logprob is not None:
+            req.pending_logprobs.append(logprob)
+            req.pending_top.append(top or [])
+        self.stats["generation_tokens"] += 1
+        if token in p.stop_token_ids:
+            req.finish_reason = {"type": "stop", "matched": token}
+        elif not p.ignore_eos and token in self.eos_token_ids:
+            req.finish_reason = {"type": "stop", "matched": token}
+        else:
+            stop_str = req.detok.add(token)
+            if stop_str is not None:
+                req.finish_reason = {"type": "stop", "matched": stop_str}
+            elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_context_len:
+                req.finish_reason = {"type": "length", "matched": None}
+
+    def _make_out(self, req: Req) -> TokenOut:
+        finished = req.finish_reason is not None
+        if finished:
+            req.detok.flush()
+        out = TokenOut(rid=req.rid, token_ids=req.pending_ids, text=req.detok.take(finished),
+                       finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
+                       completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+                       logprobs=req.pending_logprobs, top_logprobs=req.pending_top)
+        req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
+        return out
+
+    def _finish(self, req: Req, reason: dict[str, Any]) -> TokenOut:
+        req.finish_reason = reason
+        self._release(req)
+        self.stats["aborted" if reason["type"] == "abort" else "finished"] += 1
+        return self._make_out(req)
+
+    # ------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused while requests are running."""
+        if self.running:
+            return False
+        return self.cache.reset()
+
+    def server_info(self) -> dict[str, Any]:
+        P = self.page_size
+        try:
+            self.check_integrity()
+            integrity_ok, integrity_error = True, None
+        except RuntimeError as exc:
+            integrity_ok, integrity_error = False, str(exc)
+        return {
+            "kv_total_tokens": self.allocator.num_pages * P,
+            "kv_free_tokens": self.allocator.num_free_pages * P,
+            "kv_cached_tokens": self.cache.cached_pages * P,
+            "kv_in_use_tokens": self.in_use_pages() * P,
+            "kv_integrity_ok": integrity_ok,
+            "kv_integrity_error": integrity_error,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "cache_hit_rate": self.cache.hit_rate,
+            **{f"{k}_total": v for k, v in self.stats.items()},
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        return {**self._model_info, "max_context_length": self.max_context_len, "vocab_size": self.vocab_size,
+                "kv_capacity_tokens": self.allocator.num_pages * self.page_size,
+                "eos_token_ids": self.eos_token_ids}
