@@ -373,6 +373,21 @@ def test_finished_request_with_only_a_partial_page():
     check_integrity(alloc, cache, 0)
 
 
+@pytest.mark.parametrize("P", [1, 4])
+def test_cache_finished_req_frees_pages_reserved_past_the_computed_tokens(P):
+    alloc, cache = make(16, P)
+    tokens = list(range(P + 1))
+    m = cache.match_prefix(tokens)
+    cache.inc_lock_ref(m.node)
+    pages = alloc.alloc(4)  # 2 pages hold the computed tokens, 2 more were reserved for a chunk that never ran
+    slots = slots_for(pages, P, 0, 4 * P)
+    cache.cache_finished_req(tokens, slots, 0, m.node)
+    check_integrity(alloc, cache, 0)
+    aligned = (P + 1) // P * P
+    assert cache.cached_pages == aligned // P and alloc.num_free_pages == 16 - aligned // P
+    assert cache.match_prefix(tokens).slots == slots[:aligned]
+
+
 def test_cache_finished_req_validates_arguments():
     alloc, cache = make(8, 4)
     r = start(cache, list(range(5)))

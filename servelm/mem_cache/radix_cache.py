@@ -285,7 +285,9 @@ class RadixCache(BasePrefixCache):
         slots[:own_from] came from `match_prefix` (tree-owned, locked via `node`);
         slots[own_from:] sit in pages the request owns, the last possibly partial.
         The page-aligned part is inserted, the request's duplicate pages and its
-        trailing partial page are freed, and `node` is unlocked.
+        trailing partial page are freed, and `node` is unlocked. `slots` may run
+        past `token_ids` (pages reserved for tokens not computed yet): those
+        pages are freed too.
         """
         aligned = self._insert_owned(token_ids, slots, own_from)
         self._free_own_pages(slots, aligned, len(slots))
@@ -311,8 +313,8 @@ class RadixCache(BasePrefixCache):
     def _insert_owned(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int) -> int:
         """Insert the page-aligned part of a request and free its duplicate pages; returns that length."""
         P = self.page_size
-        if len(token_ids) != len(slots):
-            raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
+        if len(slots) < len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens but only {len(slots)} slots")
         if own_from % P or not (0 <= own_from <= len(slots)):
             raise ValueError(f"own_from={own_from} must be page aligned and within the request")
         aligned = len(token_ids) // P * P
