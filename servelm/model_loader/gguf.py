@@ -1,0 +1,246 @@
+"""GGUF files (llama.cpp format): config from metadata, dequantised weights under HF names.
+
+The `gguf` package memory-maps the file; each tensor is dequantised (numpy, float32) only when
+`iter_weights` reaches it, then cast to the requested dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from servelm.model_loader.source import (
+    ModelSource,
+    ModelSourceError,
+    UnsupportedArchitectureError,
+    UnsupportedQuantizationError,
+)
+
+logger = logging.getLogger(__name__)
+
+# GGUF `general.architecture` -> (HF architecture, transformers config class name).
+# NOTE: llama.cpp converts Mistral checkpoints to arch "llama" (without sliding-window metadata, and
+# llama.cpp runs them with full attention), so they load as LlamaForCausalLM, which computes the same.
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+}
+
+# llama.cpp's convert_hf_to_gguf.py permutes the q/k rows of these archs (GPT-J style rotary halves
+# interleaved), so we must undo it to get back HF's rotate-half layout.
+_PERMUTED_QK_ARCHS = frozenset({"llama"})
+
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors llama.cpp derives from the config that HF models recompute themselves.
+_SKIPPED_TENSORS = {"rope_freqs.weight"}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Map a GGUF tensor name (e.g. "blk.3.attn_q.weight") to its HF name; None if unknown."""
+    if m := _BLOCK_RE.match(name):
+        layer, part, kind = m.groups()
+        hf = _BLOCK_TENSORS.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    if m := _GLOBAL_RE.match(name):
+        part, kind = m.groups()
+        hf = _GLOBAL_TENSORS.get(part)
+        return f"{hf}.{kind}" if hf else None
+    return None
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for `n_head` heads (weight [out, in] or bias [out]).
+
+    llama.cpp stores each head's rows as interleaved pairs (x0, x_half, x1, x_half+1, ...):
+    rows viewed as [n_head, 2, head_dim/2] were transposed to [n_head, head_dim/2, 2]. We view them
+    as [n_head, head_dim/2, 2] and transpose back.
+    """
+    rows = weight.shape[0]
+    half = rows // n_head // 2
+    # [rows, *in] -> [n_head, half, 2, *in] -> [n_head, 2, half, *in] -> [rows, *in]
+    return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _rope_parameters(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any]:
+    """RoPE settings in transformers' `rope_parameters` form (rope_theta + scaling keys)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_scalar(reader, f"{arch}.rope.freq_base", 10000.0))}
+    scaling = _scalar(reader, f"{arch}.rope.scaling.type")
+    factor = _scalar(reader, f"{arch}.rope.scaling.factor")
+    if scaling in ("linear", "yarn") and factor is not None and float(factor) != 1.0:
+        params["rope_type"] = scaling
+        params["factor"] = float(factor)
+        original = _scalar(reader, f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            params["original_max_position_embeddings"] = int(original)
+        if scaling == "yarn":
+            for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+                v = _scalar(reader, f"{arch}.rope.scaling.{gguf_key}")
+                if v is not None:
+                    params[hf_key] = float(v)
+    elif scaling not in (None, "none", "linear", "yarn"):
+        raise ModelSourceError(f"Unsupported GGUF rope scaling type {scaling!r} ({arch}.rope.scaling.type).")
+    if "rope_freqs.weight" in tensor_names:
+        # NOTE: Llama-3.1-style checkpoints store per-frequency factors in a tensor instead of metadata;
+        # the llama3 scaling parameters cannot be recovered from it exactly.
+        logger.warning("GGUF has a rope_freqs tensor (llama3 rope scaling); it is ignored, long contexts may degrade")
+    return params
+
+
+def gguf_config(reader: GGUFReader, path: str = "") -> transformers.PretrainedConfig:
+    """Build the transformers config (LlamaConfig, Qwen2Config, Qwen3Config) from GGUF metadata."""
+    arch = _scalar(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedArchitectureError(str(arch), f"GGUF general.architecture of {path}")
+    hf_arch, config_cls_name = GGUF_ARCHITECTURES[arch]
+    tensor_names = {t.name for t in reader.tensors}
+
+    def need(key: str) -> Any:
+        value = _scalar(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelSourceError(f"GGUF file {path} lacks required metadata {arch}.{key}.")
+        return value
+
+    hidden = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_kv = int(_scalar(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(_scalar(reader, f"{arch}.attention.key_length", hidden // n_head))
+    vocab = _scalar(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        if "tokenizer.ggml.tokens" in reader.fields:
+            vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+        else:
+            embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+            vocab = int(embd.shape[1])  # ne order: [hidden, vocab]
+
+    kwargs: dict[str, Any] = dict(
+        architectures=[hf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(need("feed_forward_length")),
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=n_head,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        max_position_embeddings=int(_scalar(reader, f"{arch}.context_length", 2048)),
+        rms_norm_eps=float(_scalar(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_scalar(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_scalar(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_scalar(reader, "tokenizer.ggml.padding_token_id"),
+        rope_parameters=_rope_parameters(reader, arch, tensor_names),
+    )
+    if arch == "llama":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in tensor_names
+    elif arch == "qwen3":
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    config_cls = getattr(transformers, config_cls_name)
+    return config_cls(**kwargs)
+
+
+def _check_dequantizable(reader: GGUFReader, path: str) -> None:
+    """Raise UnsupportedQuantizationError early (not halfway through loading) for unknown types."""
+    seen: set[GGMLQuantizationType] = set()
+    for t in reader.tensors:
+        if t.tensor_type in seen:
+            continue
+        seen.add(t.tensor_type)
+        try:
+            # One row is enough to know whether the gguf package implements this type.
+            dequantize(t.data[:1] if t.data.ndim > 1 else t.data, t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedQuantizationError(t.tensor_type.name, t.name, path) from None
+
+
+@dataclass
+class GGUFModelSource(ModelSource):
+    """A GGUF file opened with `gguf.GGUFReader` (memory-mapped)."""
+
+    reader: GGUFReader | None = field(default=None, repr=False)
+    # (gguf tensor name, hf name) in file order; tensors we skip are not in it.
+    name_map: list[tuple[str, str]] = field(default_factory=list, repr=False)
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield `(hf_name, tensor)`: dequantised to float32, q/k un-permuted, then cast to `dtype`."""
+        assert self.reader is not None
+        tensors = {t.name: t for t in self.reader.tensors}
+        arch = _scalar(self.reader, "general.architecture")
+        unpermute = arch in _PERMUTED_QK_ARCHS
+        n_head = self.config.num_attention_heads
+        n_kv = self.config.num_key_value_heads
+        for gguf_name, hf_name in self.name_map:
+            t = tensors[gguf_name]
+            # GGUF shapes are in ggml `ne` order (fastest dim first): reversed relative to torch.
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            arr = dequantize(t.data, t.tensor_type).reshape(shape)
+            if unpermute and ".attn_q." in gguf_name:
+                arr = unpermute_qk(arr, n_head)
+            elif unpermute and ".attn_k." in gguf_name:
+                arr = unpermute_qk(arr, n_kv)
+            if not arr.flags.writeable:
+                # F32 tensors come back as views of the read-only memory map.
+                arr = arr.copy()
+            tensor = torch.from_numpy(np.ascontiguousarray(arr))
+            yield hf_name, tensor.to(dtype).contiguous()
+
+
+def load_gguf_source(path: str) -> GGUFModelSource:
+    """Open a .gguf file: parse metadata into a HF config and index its tensors under HF names."""
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError) as e:
+        raise ModelSourceError(f"Cannot read GGUF file {path}: {e}") from e
+    config = gguf_config(reader, path)
+    _check_dequantizable(reader, path)
+    name_map: list[tuple[str, str]] = []
+    for t in reader.tensors:
+        if t.name in _SKIPPED_TENSORS:
+            continue
+        hf_name = gguf_to_hf_name(t.name)
+        if hf_name is None:
+            raise ModelSourceError(
+                f"GGUF tensor {t.name!r} in {path} has no HF equivalent for {config.architectures[0]}; "
+                "the file may be a different model type than its general.architecture says."
+            )
+        name_map.append((t.name, hf_name))
+    return GGUFModelSource(
+        path=path, format="gguf", config=config, num_weights=len(name_map), reader=reader, name_map=name_map
+    )
