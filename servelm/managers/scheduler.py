@@ -177,8 +177,8 @@ class Scheduler:
         n = req.num_computed
         if req.pages:
             all_slots = slots_for(req.pages, self.page_size, 0, len(req.pages) * self.page_size)
-            # Pass whole pages past num_computed too, so the trailing partial page is freed by the cache.
-            self.cache.cache_finished_req(req.all_ids[:n], all_slots[:n], req.own_from, req.node)
+            # All slots of all pages, even past num_computed, so reserved-but-unused pages are freed too.
+            self.cache.cache_finished_req(req.all_ids[:n], all_slots, req.own_from, req.node)
         elif req.node is not None:
             self.cache.dec_lock_ref(req.node)
         req.pages, req.slots, req.node, req.own_from, req.num_computed = [], [], None, 0, 0
