@@ -79,6 +79,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: fp32 [R, V] (raw model output; modified in place)."""
     want_logprobs = any(r.params.logprobs for r in rows)

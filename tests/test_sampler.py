@@ -1,0 +1,70 @@
+"""Sampler semantics against transformers' logits processors, and seeded-draw properties."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from servelm.layers.sampler import SamplingRow, apply_penalties, filter_logits, sample
+from servelm.sampling_params import SamplingParams
+
+
+def _row(**kw) -> SamplingRow:
+    prompt = kw.pop("prompt", [1, 2])
+    output = kw.pop("output", [])
+    return SamplingRow(SamplingParams(**kw), seed=1, sample_index=0, position=len(prompt) + len(output),
+                       prompt_ids=prompt, output_ids=output)
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    prompt, output = [3, 4, 10], [4, 7]
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits.clone())
+    got = logits.clone()
+    apply_penalties(got, [_row(repetition_penalty=1.7, prompt=prompt, output=output)])
+    assert torch.allclose(got, expected)
+
+
+def test_frequency_and_presence_penalties() -> None:
+    logits = torch.zeros(1, 10)
+    apply_penalties(logits, [_row(frequency_penalty=0.5, presence_penalty=0.25, output=[3, 3, 3, 5])])
+    assert logits[0, 3].item() == -(0.5 * 3 + 0.25)
+    assert logits[0, 5].item() == -(0.5 + 0.25)
+    assert logits[0, 1].item() == 0.0  # prompt tokens are not counted by OpenAI-style penalties
+
+
+def test_filters_match_transformers_warpers() -> None:
+    logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(1)) * 3
+    for params, warper in [(SamplingParams(top_k=7), TopKLogitsWarper(7)),
+                           (SamplingParams(top_p=0.8), TopPLogitsWarper(0.8)),
+                           (SamplingParams(min_p=0.1), MinPLogitsWarper(0.1))]:
+        ours = torch.isinf(filter_logits(logits[0].clone(), params))
+        theirs = torch.isinf(warper(torch.tensor([[0]]), logits.clone())[0])
+        assert torch.equal(ours, theirs), params
+
+
+def test_sampling_follows_the_distribution() -> None:
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1, 0.0]]))
+    counts = torch.zeros(4)
+    for pos in range(3000):
+        row = SamplingRow(SamplingParams(temperature=1.0), seed=3, sample_index=0, position=pos, prompt_ids=[1],
+                          output_ids=[])
+        counts[sample(logits.clone(), [row]).token_ids[0]] += 1
+    freq = counts / counts.sum()
+    assert abs(freq[0] - 0.7) < 0.04 and abs(freq[1] - 0.2) < 0.03 and counts[3] == 0
+
+
+def test_greedy_banned_ids_and_logprobs() -> None:
+    logits = torch.tensor([[5.0, 1.0, 4.0]])
+    row = _row(temperature=0, logprobs=True, top_logprobs=2)
+    row.banned_ids = [0]
+    out = sample(logits.clone(), [row])
+    assert out.token_ids == [2]
+    # logprobs are of the raw distribution (before bans and penalties)
+    assert abs(out.logprobs[0] - torch.log_softmax(logits, -1)[0, 2].item()) < 1e-6
+    assert [t for t, _ in out.top_logprobs[0]] == [0, 2]
