@@ -1,0 +1,200 @@
+"""The scheduler process: owns the model, talks to the API process over ZMQ.
+
+The loop blocks on its socket while the scheduler is idle and only drains it
+(without waiting) while there is work, so an idle server burns no CPU and a
+busy one never waits for a message between steps. Every step's outputs go
+back as one `BatchTokenOut`.
+
+Bad input never ends the loop: `add_request` errors come back to the API as
+a finished output with `finish_reason.type == "abort"` and a message.
+
+`SERVELM_SCHEDULER_FACTORY=module:attr` (an environment variable, read in
+this process) replaces `Scheduler.from_server_args` with `attr(server_args)`;
+tests use it to run a stand-in scheduler without a model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import zmq
+
+from servelm.config import ServerArgs
+from servelm.managers.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    ServerInfoOut,
+    ServerInfoReq,
+    TokenOut,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger("servelm.scheduler_process")
+
+SCHEDULER_FACTORY_ENV = "SERVELM_SCHEDULER_FACTORY"
+_PR_SET_PDEATHSIG = 1
+_IDLE_POLL_MS = 1000
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process exit when `parent_pid` dies, however it dies (even SIGKILL).
+
+    Linux's PR_SET_PDEATHSIG does it in the kernel; a thread polling the
+    parent pid covers other systems and the window before prctl took effect.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _load_factory() -> Any:
+    spec = os.environ.get(SCHEDULER_FACTORY_ENV)
+    if not spec:
+        from servelm.managers.scheduler import Scheduler
+
+        return Scheduler.from_server_args
+    module_name, _, attr = spec.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _abort_out(req: GenerateReq, message: str) -> TokenOut:
+    return TokenOut(rid=req.rid, token_ids=[], text="", prompt_tokens=len(req.input_ids), completion_tokens=0,
+                    cached_tokens=0, finish_reason={"type": "abort", "matched": None, "message": message})
+
+
+class SchedulerLoop:
+    """Dispatches API messages to a scheduler and sends its outputs back."""
+
+    def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
+        self.scheduler = scheduler
+        self.recv = recv
+        self.send = send
+
+    def _handle(self, msg: Any) -> None:
+        sched = self.scheduler
+        if isinstance(msg, GenerateReq):
+            try:
+                sched.add_request(msg)
+            except Exception as exc:  # the API validates first; this is the safety net
+                logger.warning("request %s rejected by the scheduler: %s", msg.rid, exc)
+                self.send.send(encode(BatchTokenOut([_abort_out(msg, str(exc))])))
+        elif isinstance(msg, AbortReq):
+            try:
+                outs = sched.abort_request(msg.rid)
+            except Exception:
+                logger.exception("abort of %s failed", msg.rid)
+                outs = None
+            # The final outputs of aborted requests (finish reason "abort") may come back here
+            # or from the next step, depending on the scheduler.
+            if outs:
+                self.send.send(encode(BatchTokenOut(list(outs))))
+        elif isinstance(msg, FlushCacheReq):
+            try:
+                ok = bool(sched.flush_cache())
+                out = FlushCacheOut(ok, "" if ok else "cannot flush the cache while requests are running")
+            except Exception as exc:
+                out = FlushCacheOut(False, str(exc))
+            self.send.send(encode(out))
+        elif isinstance(msg, ServerInfoReq):
+            try:
+                info = dict(sched.server_info())
+            except Exception as exc:
+                info = {"error": str(exc)}
+            self.send.send(encode(ServerInfoOut(info)))
+        else:
+            logger.warning("ignoring unexpected message %s", type(msg).__name__)
+
+    def _receive(self, block: bool) -> list[Any]:
+        msgs: list[Any] = []
+        if block and not self.recv.poll(_IDLE_POLL_MS):
+            return msgs
+        while True:
+            try:
+                raw = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return msgs
+            try:
+                msgs.append(decode(raw))
+            except Exception:
+                logger.exception("dropping undecodable message")
+
+    def run_once(self) -> None:
+        """Receive what is there (waiting only while idle), dispatch it, then run one step."""
+        for msg in self._receive(block=not self.scheduler.has_work()):
+            self._handle(msg)
+        if self.scheduler.has_work():
+            outputs = self.scheduler.step()
+            if outputs:
+                self.send.send(encode(BatchTokenOut(list(outputs))))
+
+    def run_forever(self) -> None:
+        while True:
+            self.run_once()
+
+
+def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_writer: Connection,
+                          parent_pid: int | None = None) -> None:
+    """Entry point of the scheduler process (a multiprocessing 'spawn' target).
+
+    Loads the model, then sends `{"status": "ready", "model_info": {...}}` on
+    `ready_writer` (or `{"status": "error", "message": ...}` and exits 1), then
+    serves requests from `recv_addr` (PULL) and sends outputs to `send_addr`
+    (PUSH) until it is terminated or its parent dies.
+    """
+    die_with_parent(parent_pid if parent_pid is not None else os.getppid())
+    # Ctrl-C reaches the whole process group; the API process decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        scheduler = _load_factory()(server_args)
+        model_info = dict(scheduler.model_info())
+    except BaseException as exc:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        with contextlib.suppress(Exception):
+            ready_writer.send({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
+        sys.exit(1)
+
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.connect(recv_addr)
+    send = ctx.socket(zmq.PUSH)
+    send.setsockopt(zmq.LINGER, 0)
+    send.connect(send_addr)
+    ready_writer.send({"status": "ready", "model_info": model_info})
+    ready_writer.close()
+    try:
+        SchedulerLoop(scheduler, recv, send).run_forever()
+    except BaseException:
+        logger.critical("scheduler loop crashed:\n%s", traceback.format_exc())
+        os._exit(1)

@@ -1,0 +1,335 @@
+"""The API process's side of the scheduler: tokenisation, request state, ZMQ.
+
+One user request becomes a `RequestGroup` of sub-requests (n samples times
+the prompts of a batch), each sent as its own `GenerateReq`. Outputs of all
+sub-requests arrive on one asyncio queue per group, so streaming and
+non-streaming responses read them the same way. Leaving a group's iterator
+early (client hang-up, cancellation) aborts its unfinished sub-requests in
+the scheduler at once, which frees their KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from servelm.config import ServerArgs
+from servelm.managers.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FlushCacheOut,
+    FlushCacheReq,
+    GenerateReq,
+    ServerInfoOut,
+    ServerInfoReq,
+    TokenOut,
+    decode,
+    encode,
+)
+from servelm.metrics import ServerMetrics
+from servelm.sampling_params import SamplingParams
+
+logger = logging.getLogger("servelm.tokenizer_manager")
+
+
+class QueueFullError(Exception):
+    """More requests are in flight than the server admits (answered with 429)."""
+
+
+class SchedulerUnavailableError(Exception):
+    """The scheduler did not answer (it is gone, or the server is stopping)."""
+
+
+def resolve_tokenizer_path(server_args: ServerArgs) -> str:
+    """The tokenizer source: --tokenizer-path, else the model path, else the default model."""
+    if server_args.tokenizer_path:
+        return server_args.tokenizer_path
+    if server_args.model_path:
+        return server_args.model_path
+    from servelm.model_loader.default_model import default_model_path
+
+    return default_model_path()
+
+
+def load_server_tokenizer(server_args: ServerArgs) -> Any:
+    """Load the tokenizer the API process uses (with the --chat-template override)."""
+    from servelm.model_loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_tokenizer_path(server_args), chat_template=server_args.chat_template)
+
+
+@dataclass
+class _SubRequest:
+    rid: str
+    index: int
+    group: RequestGroup
+    created: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished: bool = False
+
+
+@dataclass
+class RequestGroup:
+    """The sub-requests of one API request; iterate `outputs()` for `(index, TokenOut)` pairs."""
+
+    rid: str
+    manager: TokenizerManager
+    subs: list[_SubRequest] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, TokenOut]]:
+        """Yield outputs as they arrive until every sub-request finished; abort the rest on early exit."""
+        remaining = len(self.subs)
+        try:
+            while remaining:
+                index, out = await self.queue.get()
+                if out.finish_reason is not None:
+                    remaining -= 1
+                yield index, out
+        finally:
+            self.manager.abort_group(self)
+
+
+class TokenizerManager:
+    """Tokenizer, per-request state and the ZMQ link to the scheduler process.
+
+    `to_scheduler_addr` is bound here as PUSH and `from_scheduler_addr` as
+    PULL; the scheduler process connects to both.
+    """
+
+    def __init__(self, server_args: ServerArgs, to_scheduler_addr: str, from_scheduler_addr: str,
+                 metrics: ServerMetrics) -> None:
+        self.server_args = server_args
+        self.metrics = metrics
+        self.tokenizer: Any = None
+        self.model_info: dict[str, Any] = {}
+        self.max_in_flight = server_args.max_running_requests + server_args.max_queued_requests
+        self.num_in_flight = 0
+        self._subs: dict[str, _SubRequest] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        self._flush_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._info_waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._token_text_cache: dict[int, str] = {}
+        self._to_addr = to_scheduler_addr
+        self._from_addr = from_scheduler_addr
+        # A plain socket for sending: sends must also work from `finally` blocks of
+        # cancelled tasks (a hang-up), where awaiting is no longer possible.
+        self._ctx = zmq.Context()
+        self._send = self._ctx.socket(zmq.PUSH)
+        self._send.setsockopt(zmq.LINGER, 0)
+        self._send.bind(to_scheduler_addr)
+        self._actx = zmq.asyncio.Context()
+        self._recv = self._actx.socket(zmq.PULL)
+        self._recv.setsockopt(zmq.LINGER, 0)
+        self._recv.bind(from_scheduler_addr)
+        self._recv_task: asyncio.Task | None = None
+        self._closed = False
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start reading the scheduler's messages (call from the running event loop)."""
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    def close(self) -> None:
+        """Fail what is in flight and close the sockets (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        self.fail_all("server is shutting down")
+        self._recv.close(0)
+        self._send.close(0)
+        self._actx.term()
+        self._ctx.term()
+
+    # ---------------------------------------------------------- tokenizer
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        size = self.model_info.get("vocab_size")
+        return int(size) if size else len(self.tokenizer)
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model_info.get("max_context_length") or 0)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
+        """Render the chat template and tokenize it (the template already holds any BOS)."""
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message)
+        return self.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs show it (cached: logprobs ask for the same ids often)."""
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._token_text_cache) < 200_000:
+                self._token_text_cache[token_id] = text
+        return text
+
+    # ----------------------------------------------------------- requests
+    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool) -> RequestGroup:
+        """Send `len(prompts) * params.n` GenerateReqs; sub-request `p * n + i` samples prompt p with index i.
+
+        Raises QueueFullError (nothing is sent) when the server is full.
+        """
+        n = params.n
+        total = len(prompts) * n
+        if self.num_in_flight + total > self.max_in_flight:
+            self.metrics.observe_rejected()
+            raise QueueFullError(
+                f"server is at capacity ({self.num_in_flight} requests in flight, at most "
+                f"{self.max_in_flight}); retry later")
+        group = RequestGroup(rid=rid, manager=self)
+        sampling = params.to_dict()
+        now = time.monotonic()
+        for p, ids in enumerate(prompts):
+            for i in range(n):
+                index = p * n + i
+                sub_rid = rid if total == 1 else f"{rid}-{index}"
+                sub = _SubRequest(rid=sub_rid, index=index, group=group, created=now)
+                group.subs.append(sub)
+                self._subs[sub_rid] = sub
+                self.num_in_flight += 1
+                self._send.send(encode(GenerateReq(rid=sub_rid, input_ids=list(ids), sampling_params=sampling,
+                                                   stream=stream, sample_index=i)))
+        self._groups[rid] = group
+        if self.server_args.log_requests:
+            logger.info("request %s: %d prompt(s) x n=%d, prompt tokens %s, params %s", rid, len(prompts), n,
+                        [len(ids) for ids in prompts], sampling)
+        return group
+
+    def abort_group(self, group: RequestGroup) -> None:
+        """Abort the group's unfinished sub-requests now and forget them (late outputs are dropped)."""
+        self._groups.pop(group.rid, None)
+        for sub in group.subs:
+            if sub.finished:
+                continue
+            sub.finished = True
+            self._forget(sub)
+            self.metrics.observe_aborted()
+            with contextlib.suppress(zmq.ZMQError):
+                self._send.send(encode(AbortReq(sub.rid)))
+            if self.server_args.log_requests:
+                logger.info("request %s aborted by the client", sub.rid)
+
+    def abort_request(self, rid: str) -> bool:
+        """Ask the scheduler to abort a request (a whole group or one sub-request); its client
+        then receives a final output with finish reason `abort`. Returns whether it was known."""
+        group = self._groups.get(rid)
+        subs = [s for s in group.subs if not s.finished] if group else []
+        if not subs and rid in self._subs:
+            subs = [self._subs[rid]]
+        for sub in subs:
+            self._send.send(encode(AbortReq(sub.rid)))
+        return bool(subs)
+
+    def fail_all(self, message: str) -> None:
+        """Finish every request in flight with an abort (the scheduler is gone)."""
+        for sub in list(self._subs.values()):
+            out = TokenOut(rid=sub.rid, token_ids=[], text="", prompt_tokens=0, completion_tokens=0,
+                           cached_tokens=0, finish_reason={"type": "abort", "matched": None, "message": message,
+                                          "internal": True})
+            self._on_output(sub, out)
+        for waiters in (self._flush_waiters, self._info_waiters):
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(SchedulerUnavailableError(message))
+
+    def _forget(self, sub: _SubRequest) -> None:
+        if self._subs.pop(sub.rid, None) is not None:
+            self.num_in_flight -= 1
+
+    def _on_output(self, sub: _SubRequest, out: TokenOut) -> None:
+        now = time.monotonic()
+        if out.token_ids:
+            if sub.first_token_time is None:
+                sub.first_token_time = now
+                self.metrics.observe_first_token(now - sub.created)
+            else:
+                self.metrics.observe_inter_token(now - (sub.last_token_time or now), len(out.token_ids))
+            sub.last_token_time = now
+            self.metrics.observe_generated(len(out.token_ids))
+        if out.finish_reason is not None:
+            sub.finished = True
+            self._forget(sub)
+            self.metrics.observe_finished(str(out.finish_reason.get("type")), now - sub.created,
+                                          out.prompt_tokens, out.cached_tokens)
+            if self.server_args.log_requests:
+                logger.info("request %s finished: %s, %d prompt + %d completion tokens (%d cached), %.3fs",
+                            sub.rid, out.finish_reason, out.prompt_tokens, out.completion_tokens,
+                            out.cached_tokens, now - sub.created)
+        sub.group.queue.put_nowait((sub.index, out))
+
+    # ------------------------------------------------------ control calls
+    async def _call(self, msg: Any, waiters: collections.deque, timeout: float) -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        waiters.append(fut)
+        self._send.send(encode(msg))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise SchedulerUnavailableError(f"the scheduler did not answer within {timeout:.0f}s") from None
+
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheOut:
+        return await self._call(FlushCacheReq(), self._flush_waiters, timeout)
+
+    async def server_info(self, timeout: float = 30.0) -> dict[str, Any]:
+        out: ServerInfoOut = await self._call(ServerInfoReq(), self._info_waiters, timeout)
+        return out.info
+
+    async def _recv_loop(self) -> None:
+        while True:
+            raw = await self._recv.recv()
+            try:
+                msg = decode(raw)
+            except Exception:
+                logger.exception("dropping undecodable message from the scheduler")
+                continue
+            if isinstance(msg, BatchTokenOut):
+                for out in msg.outputs:
+                    sub = self._subs.get(out.rid)
+                    if sub is not None:  # else: aborted by its client already
+                        self._on_output(sub, out)
+            elif isinstance(msg, (FlushCacheOut, ServerInfoOut)):
+                waiters = self._flush_waiters if isinstance(msg, FlushCacheOut) else self._info_waiters
+                # Answers come back in request order, one per request, even for a waiter that
+                # timed out in the meantime (its answer is then dropped).
+                if waiters:
+                    fut = waiters.popleft()
+                    if not fut.done():
+                        fut.set_result(msg)
+            else:
+                logger.warning("ignoring unexpected message %s from the scheduler", type(msg).__name__)
+
+
+def tokenizer_display_path(server_args: ServerArgs) -> str:
+    """The tokenizer path for /model_info (never raises)."""
+    try:
+        return os.fspath(resolve_tokenizer_path(server_args))
+    except Exception:
+        return ""

@@ -1,0 +1,115 @@
+"""Prometheus metrics of the HTTP server (prometheus-client).
+
+Names follow vLLM/SGLang (`<prefix>:<name>`) so existing dashboards need only
+the prefix changed. Latencies and token counts are observed in the API
+process as outputs arrive; scheduler-side state (running/queued requests, KV
+usage, cache hit rate) is pulled from the scheduler when `/metrics` is
+scraped, so it is never stale.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+PREFIX = "servelm"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class ServerMetrics:
+    """Every metric the server exports, in its own registry (one per server instance)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"{PREFIX}:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"{PREFIX}:{name}", doc, [*labels, *extra], registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"{PREFIX}:{name}", doc, labels, registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time from request arrival to its first output token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between two consecutive output tokens.")
+        self.e2e = hist("e2e_request_latency_seconds", "Time from request arrival to its last output token.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
+        self.requests = counter("num_requests", "Finished requests, by finish reason.", ("finish_reason",))
+        self.aborted = counter("num_aborted_requests", "Requests aborted (client hang-up or /abort_request).")
+        self.rejected = counter("num_rejected_requests", "Requests refused with 429 (queue full).")
+        self.running = gauge("num_requests_running", "Requests in the scheduler's running batch.")
+        self.queued = gauge("num_requests_waiting", "Requests waiting in the scheduler's queue.")
+        self.kv_used_tokens = gauge("kv_used_tokens", "KV cache tokens held by running requests.")
+        self.kv_cached_tokens = gauge("kv_cached_tokens", "KV cache tokens held by the prefix cache.")
+        self.kv_total_tokens = gauge("kv_total_tokens", "KV cache capacity in tokens.")
+        self.kv_usage = gauge("token_usage", "Fraction of KV cache tokens in use (0..1).")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Prefix cache hit rate (0..1).")
+
+    # The label is fixed per server; binding it once keeps call sites short.
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def observe_inter_token(self, seconds: float, num_tokens: int) -> None:
+        """A step that produced `num_tokens` tokens after `seconds`: one ITL sample per token."""
+        per_token = seconds / max(num_tokens, 1)
+        child = self.itl.labels(self.model_name)
+        for _ in range(max(num_tokens, 1)):
+            child.observe(per_token)
+
+    def observe_generated(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.generation_tokens.labels(self.model_name).inc(num_tokens)
+
+    def observe_finished(self, finish_type: str, e2e_seconds: float, prompt_tokens: int,
+                         cached_tokens: int) -> None:
+        m = self.model_name
+        self.e2e.labels(m).observe(e2e_seconds)
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.cached_tokens.labels(m).inc(cached_tokens)
+        self.requests.labels(m, finish_type).inc()
+        if finish_type == "abort":
+            self.aborted.labels(m).inc()
+
+    def observe_aborted(self) -> None:
+        """A request the API aborted itself (client hang-up), whose final output it no longer waits for."""
+        self.requests.labels(self.model_name, "abort").inc()
+        self.aborted.labels(self.model_name).inc()
+
+    def observe_rejected(self) -> None:
+        self.rejected.labels(self.model_name).inc()
+
+    def update_scheduler_state(self, info: dict[str, Any]) -> None:
+        """Set the gauges from the scheduler's `server_info()` dict (missing keys are skipped)."""
+        m = self.model_name
+        pairs = [(self.running, "num_running"), (self.queued, "num_waiting"),
+                 (self.kv_used_tokens, "kv_in_use_tokens"), (self.kv_cached_tokens, "kv_cached_tokens"),
+                 (self.kv_total_tokens, "kv_total_tokens"), (self.cache_hit_rate, "cache_hit_rate")]
+        for gauge, key in pairs:
+            value = info.get(key)
+            if isinstance(value, (int, float)):
+                gauge.labels(m).set(value)
+        total, in_use = info.get("kv_total_tokens"), info.get("kv_in_use_tokens")
+        if isinstance(total, (int, float)) and total > 0 and isinstance(in_use, (int, float)):
+            # Prefix-cached tokens are evictable, so only tokens held by requests count as used.
+            self.kv_usage.labels(m).set(in_use / total)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
