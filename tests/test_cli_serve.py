@@ -332,6 +332,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_leftovers(pids: list[int]) -> None:
+    # Only matters when the feature is broken: never leave sleepers behind the test run.
+    for pid in pids:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+
+
 def _spawn_sleeper(pids: list[int]) -> Callable[[ServeRequest], None]:
     def action(request: ServeRequest) -> None:
         pids.append(subprocess.Popen(["sleep", "300"]).pid)
@@ -366,6 +375,7 @@ def test_children_are_terminated_after_run(world: SimpleNamespace, then: BaseExc
     finally:
         keep.kill()
         keep.wait()
+        _kill_leftovers(pids)
 
 
 def test_grandchildren_and_term_ignoring_children_are_killed() -> None:
@@ -375,8 +385,12 @@ def test_grandchildren_and_term_ignoring_children_are_killed() -> None:
     with reap_child_processes(timeout=0.5):
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
         grandchild = int(child.stdout.readline())
-    assert not _alive(child.pid) and not _alive(grandchild)
-    child.stdout.close()
+    try:
+        assert not _alive(child.pid) and not _alive(grandchild)
+    finally:
+        _kill_leftovers([grandchild, child.pid])
+        child.stdout.close()
+        child.wait()
     assert time.monotonic() - start < 10
 
 
