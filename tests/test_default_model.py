@@ -1,0 +1,55 @@
+"""The embedded default model (SmolLM2-135M-Instruct, GGUF): greedy output equals transformers.
+
+The reference is transformers' LlamaForCausalLM built from the same GGUF tensors (our loader's output; the
+loader itself is checked tensor-for-tensor against transformers' own GGUF loading in test_model_loader.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from servelm.entrypoints.engine import Engine
+from servelm.model_loader.default_model import default_model_path
+from servelm.model_loader.source import load_model_source
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(max_total_tokens=8192)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    source = load_model_source(default_model_path())
+    model = transformers.LlamaForCausalLM(source.config).eval()
+    missing, unexpected = model.load_state_dict(dict(source.iter_weights(torch.float32)), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+def test_greedy_32_tokens_match_transformers(engine, reference) -> None:
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+               for p in PROMPTS]
+    outs = engine.generate(prompts, {"max_new_tokens": 32, "temperature": 0})
+    for prompt, out in zip(prompts, outs):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                     eos_token_id=engine.scheduler.eos_token_ids, pad_token_id=0)
+        assert out["output_ids"] == ref[0, len(ids):].tolist()
+        assert out["text"].strip()
+    engine.scheduler.check_integrity()
+
+
+def test_default_model_answers_sensibly(engine) -> None:
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,
+                                     add_generation_prompt=True)
+    out = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
+    assert "Paris" in out["text"]
