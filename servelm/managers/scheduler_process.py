@@ -173,13 +173,14 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     die_with_parent(parent_pid if parent_pid is not None else os.getppid())
     # Ctrl-C reaches the whole process group; the API process decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    # SystemExit (not os._exit) so that atexit hooks release semaphores (tqdm's lock) cleanly.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         scheduler = _load_factory()(server_args)
         model_info = dict(scheduler.model_info())
-    except BaseException as exc:
+    except Exception as exc:
         logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         with contextlib.suppress(Exception):
             ready_writer.send({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
@@ -195,6 +196,6 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     ready_writer.close()
     try:
         SchedulerLoop(scheduler, recv, send).run_forever()
-    except BaseException:
+    except Exception:
         logger.critical("scheduler loop crashed:\n%s", traceback.format_exc())
         os._exit(1)

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible server end to end: a real `servelm serve` subprocess on a tiny random Llama,
+driven by the official `openai` client and raw httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server_fixtures import ServerProcess, start_server
+
+MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: tuple[Path, object], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    model_dir, _ = tiny_llama
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = start_server(["--model-path", str(model_dir), "--disable-torch-compile", "--max-total-tokens", "16384",
+                        "--served-model-name", "tiny"], log)
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def server_info(server: ServerProcess) -> dict:
+    r = httpx.get(f"{server.base_url}/server_info", timeout=10)
+    assert r.status_code == 200
+    return r.json()
+
+
+def wait_idle(server: ServerProcess, timeout: float = 10.0) -> dict:
+    """Wait until no request runs or waits; return server_info then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_info(server)
+        if info["num_running"] == 0 and info["num_waiting"] == 0 and info["num_in_flight"] == 0:
+            return info
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def greedy(**kw: object) -> dict:
+    return {"temperature": 0.0, "extra_body": {"ignore_eos": True}, **kw}
+
+
+# ------------------------------------------------------------- basics
+def test_models_and_info(server: ServerProcess, client: openai.OpenAI) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    r = httpx.get(f"{server.base_url}/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    info = httpx.get(f"{server.base_url}/model_info").json()
+    assert info["architecture"] == "LlamaForCausalLM" and info["served_model_name"] == "tiny"
+    assert info["max_context_length"] == 1024 and info["vocab_size"] > 1000
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/health_generate", timeout=30).status_code == 200
+    assert "servelm ready" in server.log() and "KV capacity 16384 tokens" in server.log()
+
+
+def test_chat_stream_equals_nonstream_and_usage(server: ServerProcess, client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, **greedy())
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant" and choice.message.content
+    n_prompt = httpx.post(f"{server.base_url}/v1/tokenize", json={"messages": MESSAGES}).json()["count"]
+    assert full.usage.prompt_tokens == n_prompt
+    assert full.usage.completion_tokens == 12 and full.usage.total_tokens == n_prompt + 12
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **greedy()))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    # The second identical prompt hits the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_max_completion_tokens(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=5, **greedy())
+    assert r.usage.completion_tokens == 5
+
+
+def test_completions_text_token_ids_and_batch(server: ServerProcess, client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    ids = httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
+    by_text = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, **greedy())
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, **greedy())
+    assert by_text.choices[0].text == by_ids.choices[0].text and by_text.choices[0].text
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 8
+
+    batch = client.completions.create(model="tiny", prompt=[prompt, "Once upon a time"], max_tokens=8, **greedy())
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_text.choices[0].text
+    assert batch.usage.completion_tokens == 16
+
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, stream=True, **greedy())
+    assert "".join(c.choices[0].text for c in stream if c.choices) == by_text.choices[0].text
+
+    echoed = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, echo=True, **greedy())
+    assert echoed.choices[0].text == prompt + by_text.choices[0].text
+
+
+def test_stop_strings(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, **greedy())
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    expected = text[:text.index(stop)]
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, stop=[stop], **greedy())
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == "stop"
+    chunks = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, stop=stop,
+                                            stream=True, **greedy())
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+
+
+def test_seeded_n2_reproducible(client: openai.OpenAI) -> None:
+    kw = dict(model="tiny", messages=MESSAGES, max_tokens=10, n=2, temperature=1.0, seed=1234)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    texts_a = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    texts_b = [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(texts_a) == 2 and texts_a == texts_b
+    assert texts_a[0] != texts_a[1]  # each sample draws its own stream
+    c = client.chat.completions.create(**{**kw, "seed": 99})
+    assert [x.message.content for x in sorted(c.choices, key=lambda c: c.index)] != texts_a
+    assert a.usage.completion_tokens == 20
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, logprobs=True,
+                                       top_logprobs=3, **greedy())
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(t.token for t in content) == r.choices[0].message.content
+    for tok in content:
+        assert tok.logprob <= 0 and len(tok.top_logprobs) == 3
+        lps = [t.logprob for t in tok.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert tok.top_logprobs[0].token == tok.token and tok.top_logprobs[0].logprob == pytest.approx(tok.logprob)
+
+
+def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, logprobs=2, echo=True,
+                                  **greedy())
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[:n_prompt] == [None] * n_prompt
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[n_prompt:])
+    assert all(len(t) == 2 for t in lp.top_logprobs[n_prompt:])
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len("Hello there")
+
+
+def test_native_generate_tokenize_detokenize(server: ServerProcess) -> None:
+    url = server.base_url
+    ids = httpx.post(f"{url}/v1/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
+    assert httpx.post(f"{url}/v1/detokenize", json={"tokens": ids}).json()["prompt"] == "Hello world"
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{url}/generate", json={"text": "Hello world", "sampling_params": params}, timeout=30).json()
+    assert len(r["output_ids"]) == 6 and r["meta_info"]["finish_reason"]["type"] == "length"
+    assert r["meta_info"]["prompt_tokens"] == len(ids)
+    r2 = httpx.post(f"{url}/generate", json={"input_ids": [ids, ids], "sampling_params": params}, timeout=30).json()
+    assert [x["text"] for x in r2] == [r["text"], r["text"]]
+    events = []
+    with httpx.stream("POST", f"{url}/generate", json={"text": "Hello world", "sampling_params": params,
+                                                        "stream": True}, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["text"] == r["text"]  # cumulative text
+
+
+# ------------------------------------------------------------ bad input
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = [
+    (CHAT, b"{not json", 400, "body"),
+    (CHAT, b"", 400, "body"),
+    (CHAT, {"max_tokens": 4}, 400, "messages"),
+    (CHAT, {"messages": "hello"}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": MSG, "max_tokens": "many"}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": -3}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    (CHAT, {"messages": MSG, "temperature": -0.5}, 400, "temperature"),
+    (CHAT, {"messages": MSG, "top_p": 0}, 400, "top_p"),
+    (CHAT, {"messages": MSG, "top_p": 1.5}, 400, "top_p"),
+    (CHAT, {"messages": MSG, "n": 0}, 400, "n"),
+    (CHAT, {"messages": MSG, "n": 1000}, 400, "n"),
+    (CHAT, {"messages": MSG, "top_logprobs": 3}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    (CHAT, {"messages": MSG, "max_tokens": 5000}, 400, "max_tokens"),
+    (CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "model"),
+    (CHAT, {"messages": MSG, "stop": [""]}, 400, "stop"),
+    (CMPL, {"prompt": "x " * 1100, "max_tokens": 4}, 400, "prompt"),
+    (CMPL, {"prompt": [1, 2, -7]}, 400, "prompt"),
+    (CMPL, {"prompt": [1, 10_000_000]}, 400, "prompt"),
+    (CMPL, {"prompt": []}, 400, "prompt"),
+    (CMPL, {"prompt": 5}, 400, "prompt"),
+    (CMPL, {"prompt": "hi", "logprobs": 99}, 400, "logprobs"),
+    (CMPL, {"prompt": "hi", "frequency_penalty": 7}, 400, "frequency_penalty"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 400, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400, "sampling_params.bogus"),
+    ("/generate", {"input_ids": [99_999_999]}, 400, "input_ids"),
+    ("/v1/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS,
+                         ids=[f"{p}-{i}" for i, (p, *_rest) in enumerate(BAD_REQUESTS)])
+def test_bad_input_is_4xx_in_openai_shape(server: ServerProcess, path: str, body: object, status: int,
+                                          param: str) -> None:
+    if isinstance(body, bytes):
+        r = httpx.post(server.base_url + path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(server.base_url + path, json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["message"]
+    if param not in ("body",):
+        assert param.split(".")[-1] in err["message"] or "context length" in err["message"]
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=-1)
+    assert exc.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=MESSAGES)
+
+
+def test_still_serving_after_bad_input(server: ServerProcess, client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, **greedy())
+    assert r.usage.completion_tokens == 3
+    assert wait_idle(server)["kv_integrity_ok"] is True
+
+
+# --------------------------------------------------------- concurrency
+def test_16_concurrent_streams(server: ServerProcess, client: openai.OpenAI) -> None:
+    aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [f"Count to {i} and then say why." for i in range(16)]
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=16, stream=True, **greedy())
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def all_streams() -> list[str]:
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    texts = asyncio.run(all_streams())
+    alone = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                            max_tokens=16, **greedy()).choices[0].message.content
+             for p in prompts[:4]]
+    assert texts[:4] == alone
+    assert all(texts)
+    assert wait_idle(server)["kv_integrity_ok"] is True
+
+
+def test_hangups_abort_and_free_kv(server: ServerProcess) -> None:
+    before = server_info(server)
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    for _ in range(4):
+        with httpx.stream("POST", f"{server.base_url}{CHAT}", json=body, timeout=30) as resp:
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+        # Leaving the block closes the connection mid-stream.
+    # A non-streaming request whose client gives up.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}{CHAT}", json={**body, "stream": False}, timeout=0.5)
+    info = wait_idle(server, timeout=10)
+    assert info["kv_integrity_ok"] is True and info["kv_in_use_tokens"] == 0
+    assert info["aborted_total"] - before["aborted_total"] == 5
+    # They were cut short: far fewer tokens than 5 x 900 were generated.
+    assert info["generation_tokens_total"] - before["generation_tokens_total"] < 5 * 900 / 2
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert 'servelm:num_aborted_requests_total{model_name="tiny"}' in metrics
+
+
+def test_abort_request_endpoint(server: ServerProcess) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    finish = None
+    with httpx.stream("POST", f"{server.base_url}{CHAT}", json=body, timeout=30) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if finish is None:
+                finish = "sent"
+                r = httpx.post(f"{server.base_url}/abort_request", json={"rid": chunk["id"]})
+                assert r.json() == {"success": True}
+            if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                finish = chunk["choices"][0]["finish_reason"]
+    assert finish == "abort"
+    assert wait_idle(server)["kv_integrity_ok"] is True
+
+
+def test_metrics_and_flush_cache(server: ServerProcess, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, **greedy())
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("servelm:time_to_first_token_seconds_bucket", "servelm:inter_token_latency_seconds_bucket",
+                 "servelm:e2e_request_latency_seconds_count", "servelm:prompt_tokens_total",
+                 "servelm:generation_tokens_total", "servelm:cached_tokens_total", "servelm:num_requests_total",
+                 "servelm:num_requests_running", "servelm:num_requests_waiting", "servelm:token_usage",
+                 "servelm:cache_hit_rate", "servelm:kv_total_tokens"):
+        assert name in text, name
+    assert 'servelm:kv_total_tokens{model_name="tiny"} 16384.0' in text
+    wait_idle(server)
+    r = httpx.post(f"{server.base_url}/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] is True
+    info = server_info(server)
+    assert info["kv_cached_tokens"] == 0 and info["kv_integrity_ok"] is True
+    assert info["server_args"]["served_model_name"] == "tiny"
