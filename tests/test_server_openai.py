@@ -333,3 +333,13 @@ def test_metrics_and_flush_cache(server: ServerProcess, client: openai.OpenAI) -
     info = server_info(server)
     assert info["kv_cached_tokens"] == 0 and info["kv_integrity_ok"] is True
     assert info["server_args"]["served_model_name"] == "tiny"
+
+
+def test_duplicate_rid_is_400(server: ServerProcess) -> None:
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "rid": "dup-rid"}
+    with httpx.stream("POST", f"{server.base_url}{CHAT}", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        r = httpx.post(f"{server.base_url}{CHAT}", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    assert wait_idle(server)["kv_integrity_ok"] is True

@@ -76,6 +76,7 @@ from servelm.entrypoints.openai_protocol import (
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import (
+    DuplicateRequestIdError,
     QueueFullError,
     RequestGroup,
     SchedulerUnavailableError,
@@ -371,6 +372,8 @@ def build_app(state: ServerState) -> FastAPI:
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None
+        except DuplicateRequestIdError as exc:
+            raise _bad(str(exc), "rid") from None
 
     def chat_logprobs(out: TokenOut | _Accumulated) -> ChatLogprobs:
         content = []

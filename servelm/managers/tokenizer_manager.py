@@ -46,6 +46,10 @@ class QueueFullError(Exception):
     """More requests are in flight than the server admits (answered with 429)."""
 
 
+class DuplicateRequestIdError(ValueError):
+    """A request id that is already in flight (answered with 400)."""
+
+
 class SchedulerUnavailableError(Exception):
     """The scheduler did not answer (it is gone, or the server is stopping)."""
 
@@ -194,10 +198,13 @@ class TokenizerManager:
     def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool) -> RequestGroup:
         """Send `len(prompts) * params.n` GenerateReqs; sub-request `p * n + i` samples prompt p with index i.
 
-        Raises QueueFullError (nothing is sent) when the server is full.
+        Raises QueueFullError (nothing is sent) when the server is full, DuplicateRequestIdError
+        when `rid` is in flight already.
         """
         n = params.n
         total = len(prompts) * n
+        if rid in self._groups or rid in self._subs:
+            raise DuplicateRequestIdError(f"request id {rid!r} is already in use by a running request")
         if self.num_in_flight + total > self.max_in_flight:
             self.metrics.observe_rejected()
             raise QueueFullError(
