@@ -41,8 +41,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D] -> rotated (rotate-half convention, as in HF)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

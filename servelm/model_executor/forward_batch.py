@@ -46,7 +46,7 @@ class ForwardBatch:
     kv_cache: KVCache | None = None
     # Decode-only steps (every request adds one token) batch attention:
     decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with the row's first slot
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] bool, True = attend
+    decode_bias: torch.Tensor | None = None  # [B, 1, 1, Lmax] fp32, 0 = attend, -inf = padding
 
     @property
     def is_decode(self) -> bool:
@@ -70,5 +70,6 @@ class ForwardBatch:
                 index[i, len(k):] = k[0]
             lens = torch.tensor(seq_lens, device=device)
             fb.decode_kv_index = index
-            fb.decode_mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            pad = torch.arange(max_len, device=device)[None, :] >= lens[:, None]
+            fb.decode_bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None, :]
         return fb
