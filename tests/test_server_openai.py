@@ -210,6 +210,8 @@ BAD_REQUESTS = [
     (CHAT, {"messages": MSG, "max_tokens": 5000}, 400, "max_tokens"),
     (CHAT, {"messages": MSG, "model": "gpt-4"}, 404, "model"),
     (CHAT, {"messages": MSG, "stop": [""]}, 400, "stop"),
+    (CHAT, {"messages": MSG, "temperature": float("nan")}, 400, "temperature"),
+    (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages"),
     (CMPL, {"prompt": "x " * 1100, "max_tokens": 4}, 400, "prompt"),
     (CMPL, {"prompt": [1, 2, -7]}, 400, "prompt"),
     (CMPL, {"prompt": [1, 10_000_000]}, 400, "prompt"),
@@ -220,6 +222,7 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"temperature": "hot"}}, 400, "sampling_params.temperature"),
     ("/generate", {"text": "hi", "sampling_params": {"bogus": 1}}, 400, "sampling_params.bogus"),
     ("/generate", {"input_ids": [99_999_999]}, 400, "input_ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_p": float("inf")}}, 400, "sampling_params.top_p"),
     ("/v1/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
 
@@ -228,10 +231,9 @@ BAD_REQUESTS = [
                          ids=[f"{p}-{i}" for i, (p, *_rest) in enumerate(BAD_REQUESTS)])
 def test_bad_input_is_4xx_in_openai_shape(server: ServerProcess, path: str, body: object, status: int,
                                           param: str) -> None:
-    if isinstance(body, bytes):
-        r = httpx.post(server.base_url + path, content=body, headers={"content-type": "application/json"})
-    else:
-        r = httpx.post(server.base_url + path, json=body, timeout=30)
+    # json.dumps, not httpx's json=, so that NaN/Infinity reach the server as Python's json writes them.
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.base_url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}

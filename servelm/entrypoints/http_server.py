@@ -23,6 +23,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import multiprocessing
 import os
 import shutil
@@ -788,11 +789,16 @@ def _native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     if isinstance(data.get("stop"), str):
         data["stop"] = [data["stop"]]
     try:
-        return _SAMPLING_ADAPTER.validate_python(data)
+        params = _SAMPLING_ADAPTER.validate_python(data)
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         name = str(first["loc"][0]) if first.get("loc") else "sampling_params"
         raise _bad(f"sampling_params.{name}: {first['msg']}", f"sampling_params.{name}") from None
+    for name in _SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _bad(f"sampling_params.{name}: must be a finite number, got {value}", f"sampling_params.{name}")
+    return params
 
 
 # ------------------------------------------------------ startup/shutdown

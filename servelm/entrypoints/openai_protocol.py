@@ -20,7 +20,7 @@ def random_id(prefix: str) -> str:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
