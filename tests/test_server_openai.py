@@ -345,3 +345,35 @@ def test_duplicate_rid_is_400(server: ServerProcess) -> None:
         r = httpx.post(f"{server.base_url}{CHAT}", json={**body, "stream": False}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
     assert wait_idle(server)["kv_integrity_ok"] is True
+
+
+# ----------------------------------------------------------- benchmark
+@pytest.mark.parametrize("dataset", ["random", "generated-shared-prefix"])
+def test_bench_serving(server: ServerProcess, tiny_llama: tuple[Path, object], tmp_path: Path,
+                       capsys: pytest.CaptureFixture[str], dataset: str) -> None:
+    from servelm.bench import serving
+
+    out = tmp_path / "bench.jsonl"
+    argv = ["--base-url", server.base_url, "--tokenizer", str(tiny_llama[0]), "--dataset-name", dataset,
+            "--output-file", str(out)]
+    if dataset == "random":
+        argv += ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8",
+                 "--random-range-ratio", "0.5", "--max-concurrency", "4"]
+        expected_requests = 8
+    else:
+        argv += ["--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "64",
+                 "--gsp-question-len", "8", "--gsp-output-len", "4", "--request-rate", "50"]
+        expected_requests = 6
+    assert serving.main(argv) == 0
+    printed = capsys.readouterr().out
+    for label in ("Successful requests:", "Benchmark duration (s):", "Output token throughput (tok/s):",
+                  "Median TTFT (ms):", "P99 TTFT (ms):", "P95 ITL (ms):", "Median E2E Latency (ms):"):
+        assert label in printed
+    record = json.loads(out.read_text().splitlines()[-1])
+    assert record["completed"] == expected_requests and record["failed"] == 0
+    assert record["model"] == "tiny" and record["output_throughput"] > 0 and record["mean_ttft_ms"] > 0
+    if dataset == "random":
+        assert 4 * 8 <= record["total_output_tokens"] <= 8 * 8
+        assert 16 * 8 <= record["total_input_tokens"] <= 32 * 8
+    else:
+        assert record["total_output_tokens"] == 6 * 4 and record["total_input_tokens"] == 6 * 72

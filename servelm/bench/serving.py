@@ -1,0 +1,290 @@
+"""`servelm bench serving`: load-test any OpenAI-compatible server (servelm, vLLM, SGLang).
+
+Requests go to `/v1/completions` with `stream: true` and the prompt as token
+ids, so input lengths are exact whatever the server's tokenizer does with
+text; output lengths are fixed with `ignore_eos` (a vLLM/SGLang extension
+that servers without it ignore). Output token counts come from the final
+`usage` chunk (`stream_options.include_usage`) when the server sends one.
+
+Datasets:
+* `random`: `--num-prompts` prompts of random token ids; input and output
+  lengths drawn uniformly from [len * range_ratio, len].
+* `generated-shared-prefix`: `--gsp-num-groups` groups, each sharing one
+  long random system prompt, with `--gsp-prompts-per-group` short questions
+  (what a prefix cache speeds up).
+
+Arrivals: `--request-rate` requests/s as a Poisson process (inf = all at
+once), capped by `--max-concurrency` requests in flight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class BenchRequest:
+    prompt_ids: list[int]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    error: str = ""
+    input_len: int = 0
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------- datasets
+def _vocab_ids(tokenizer: Any) -> list[int]:
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    return [i for i in range(len(tokenizer)) if i not in special]
+
+
+def random_dataset(tokenizer: Any, num_prompts: int, input_len: int, output_len: int, range_ratio: float,
+                   rng: random.Random) -> list[BenchRequest]:
+    """Prompts of random (non-special) token ids with lengths uniform in [len * range_ratio, len]."""
+    vocab = _vocab_ids(tokenizer)
+    reqs = []
+    for _ in range(num_prompts):
+        n_in = rng.randint(max(1, int(input_len * range_ratio)), max(1, input_len))
+        n_out = rng.randint(max(1, int(output_len * range_ratio)), max(1, output_len))
+        reqs.append(BenchRequest([rng.choice(vocab) for _ in range(n_in)], n_out))
+    return reqs
+
+
+def shared_prefix_dataset(tokenizer: Any, num_groups: int, prompts_per_group: int, system_prompt_len: int,
+                          question_len: int, output_len: int, rng: random.Random) -> list[BenchRequest]:
+    """Groups of prompts sharing one long system prompt, interleaved across groups."""
+    vocab = _vocab_ids(tokenizer)
+    groups = []
+    for _ in range(num_groups):
+        prefix = [rng.choice(vocab) for _ in range(system_prompt_len)]
+        groups.append([BenchRequest(prefix + [rng.choice(vocab) for _ in range(question_len)], output_len)
+                       for _ in range(prompts_per_group)])
+    # Round-robin, so that concurrent requests mostly belong to different groups.
+    return [g[i] for i in range(prompts_per_group) for g in groups]
+
+
+# ------------------------------------------------------------------ client
+async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
+                       headers: dict[str, str]) -> RequestResult:
+    """One streaming completion; times the first token, each following chunk and the whole request."""
+    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(input_len=len(req.prompt_ids))
+    start = time.perf_counter()
+    last = start
+    chunks = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    result.error = str(obj["error"])
+                    return result
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                if any(c.get("text") for c in obj.get("choices") or []):
+                    now = time.perf_counter()
+                    if chunks == 0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.e2e = time.perf_counter() - start
+    result.output_len = usage_tokens if usage_tokens is not None else chunks
+    result.success = chunks > 0
+    if not result.success:
+        result.error = "no output"
+    return result
+
+
+async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest], request_rate: float,
+                        max_concurrency: int | None, api_key: str | None, seed: int,
+                        warmup: int = 1) -> tuple[list[RequestResult], float]:
+    """Send the first `warmup` requests one by one (unmeasured), then the rest as measured load;
+    return the measured results and duration."""
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    rng = np.random.default_rng(seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
+        for req in requests[:warmup]:  # also pays for first-call costs (compilation, allocations)
+            warm = await send_request(client, url, model, BenchRequest(req.prompt_ids, min(req.output_len, 8)),
+                                      headers)
+            if not warm.success:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                return await send_request(client, url, model, req, headers)
+            async with sem:
+                return await send_request(client, url, model, req, headers)
+
+        start = time.perf_counter()
+        tasks = []
+        for req in requests[warmup:]:
+            tasks.append(asyncio.create_task(limited(req)))
+            if math.isfinite(request_rate) and request_rate > 0:
+                await asyncio.sleep(float(rng.exponential(1.0 / request_rate)))
+        results = await asyncio.gather(*tasks)
+        return list(results), time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- metrics
+def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
+    """Throughputs and latency percentiles (milliseconds) over the successful requests."""
+    ok = [r for r in results if r.success]
+    ttft = np.array([r.ttft for r in ok] or [0.0]) * 1000
+    itl = np.array([x for r in ok for x in r.itl] or [0.0]) * 1000
+    e2e = np.array([r.e2e for r in ok] or [0.0]) * 1000
+    total_in = sum(r.input_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration, "input_throughput": total_in / duration,
+        "output_throughput": total_out / duration, "total_throughput": (total_in + total_out) / duration,
+        "mean_ttft_ms": float(ttft.mean()), "median_ttft_ms": float(np.median(ttft)),
+        "p99_ttft_ms": float(np.percentile(ttft, 99)),
+        "mean_itl_ms": float(itl.mean()), "median_itl_ms": float(np.median(itl)),
+        "p95_itl_ms": float(np.percentile(itl, 95)), "p99_itl_ms": float(np.percentile(itl, 99)),
+        "mean_e2e_ms": float(e2e.mean()), "median_e2e_ms": float(np.median(e2e)),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+    }
+
+
+def format_summary(s: dict[str, Any], title: str) -> str:
+    rows = [
+        ("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+        ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+        ("Total input tokens:", s["total_input_tokens"]), ("Total generated tokens:", s["total_output_tokens"]),
+        ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+        ("Input token throughput (tok/s):", f"{s['input_throughput']:.2f}"),
+        ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+        ("Total token throughput (tok/s):", f"{s['total_throughput']:.2f}"),
+        ("-Time to First Token-", None),
+        ("Mean TTFT (ms):", f"{s['mean_ttft_ms']:.2f}"), ("Median TTFT (ms):", f"{s['median_ttft_ms']:.2f}"),
+        ("P99 TTFT (ms):", f"{s['p99_ttft_ms']:.2f}"),
+        ("-Inter-Token Latency-", None),
+        ("Mean ITL (ms):", f"{s['mean_itl_ms']:.2f}"), ("Median ITL (ms):", f"{s['median_itl_ms']:.2f}"),
+        ("P95 ITL (ms):", f"{s['p95_itl_ms']:.2f}"), ("P99 ITL (ms):", f"{s['p99_itl_ms']:.2f}"),
+        ("-End-to-End Latency-", None),
+        ("Mean E2E Latency (ms):", f"{s['mean_e2e_ms']:.2f}"),
+        ("Median E2E Latency (ms):", f"{s['median_e2e_ms']:.2f}"),
+    ]
+    width = 50
+    lines = [f" {title} ".center(width, "=")]
+    for label, value in rows:
+        lines.append(label.strip("-").center(width, "-") if value is None else f"{label:<40}{value:>10}")
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="servelm bench serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:30000", help="Server URL (without /v1).")
+    p.add_argument("--model", default=None, help="Model id (default: the first of /v1/models).")
+    p.add_argument("--tokenizer", default=None,
+                   help="Tokenizer (HF folder or .gguf) used to draw prompt token ids (default: the default model's).")
+    p.add_argument("--api-key", default=None, help="Bearer token for the server.")
+    p.add_argument("--dataset-name", default="random", choices=["random", "generated-shared-prefix"])
+    p.add_argument("--num-prompts", type=int, default=64, help="Requests of the random dataset.")
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="Lengths are drawn uniformly from [len * ratio, len].")
+    p.add_argument("--gsp-num-groups", type=int, default=8)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=4)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
+    p.add_argument("--gsp-question-len", type=int, default=32)
+    p.add_argument("--gsp-output-len", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="Requests per second, Poisson arrivals (default inf: all at once).")
+    p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight.")
+    p.add_argument("--warmup-requests", type=int, default=1, help="Unmeasured requests sent first.")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output-file", default=None, help="Append one JSON line with the config and results.")
+    return p
+
+
+def _model_id(base_url: str, api_key: str | None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def _load_tokenizer(path: str | None) -> Any:
+    from servelm.model_loader.tokenizer import load_tokenizer
+
+    if path is None:
+        from servelm.model_loader.default_model import default_model_path
+
+        path = default_model_path()
+    return load_tokenizer(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `servelm bench serving`; returns the exit code (1 when every request failed)."""
+    args = build_parser().parse_args(argv)
+    model = args.model or _model_id(args.base_url, args.api_key)
+    tokenizer = _load_tokenizer(args.tokenizer)
+    rng = random.Random(args.seed)
+    if args.dataset_name == "random":
+        requests = random_dataset(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                  args.random_range_ratio, rng)
+    else:
+        requests = shared_prefix_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
+                                         args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, rng)
+    # Warm-up prompts are fresh random ones, so that they never seed the prefix cache being measured.
+    warm = random_dataset(tokenizer, args.warmup_requests, 16, 8, 1.0, random.Random(args.seed + 1))
+    results, duration = asyncio.run(run_benchmark(
+        args.base_url, model, warm + requests, args.request_rate, args.max_concurrency, args.api_key,
+        args.seed, warmup=len(warm)))
+    summary = summarize(results, duration)
+    print(format_summary(summary, "Serving Benchmark Result"), flush=True)
+    if args.output_file:
+        record = {**{k: v for k, v in vars(args).items() if k != "api_key"}, "model": model, **summary}
+        if not math.isfinite(record["request_rate"]):
+            record["request_rate"] = "inf"
+        with open(args.output_file, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+    if summary["errors"]:
+        print("errors: " + "; ".join(summary["errors"]), file=sys.stderr)
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
