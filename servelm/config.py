@@ -54,7 +54,8 @@ class ServerArgs:
     chunked_prefill_size: int = _opt(512, "Token budget per scheduler step (prefill chunks + decodes).")
     max_running_requests: int = _opt(64, "Most requests decoding at once.")
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.")
-    disable_torch_compile: bool = _opt(False, "Use the eager PyTorch path only.")
+    disable_fast_path: bool = _opt(False, "Eager PyTorch only: plain F.linear instead of oneDNN with pre-packed "
+                                          "weights on CPU.", aliases=("--disable-torch-compile",))
     random_seed: int = _opt(0, "Seed for sampling when a request gives none.")
     enable_deterministic_inference: bool = _opt(False, "Batch-invariant kernels and sampling.")
 

@@ -13,7 +13,7 @@ from servelm.entrypoints.engine import Engine
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     folder, _ = tiny_llama
-    eng = Engine(model_path=str(folder), max_total_tokens=4096, disable_torch_compile=True)
+    eng = Engine(model_path=str(folder), max_total_tokens=4096)
     yield eng
     eng.scheduler.check_integrity()
 
@@ -73,7 +73,7 @@ def test_radix_hit_equals_miss(engine) -> None:
 def test_chunked_prefill_equals_unchunked(tiny_llama) -> None:
     folder, ref = tiny_llama
     eng = Engine(model_path=str(folder), max_total_tokens=2048, chunked_prefill_size=7, page_size=4,
-                 disable_radix_cache=True, disable_torch_compile=True)
+                 disable_radix_cache=True)
     ps = _prompts(4, seed=5)
     outs = eng.generate(input_ids=ps, sampling_params=GREEDY)
     for p, o in zip(ps, outs):
@@ -83,7 +83,7 @@ def test_chunked_prefill_equals_unchunked(tiny_llama) -> None:
 
 def test_eviction_and_retraction_under_tiny_pool(tiny_llama) -> None:
     folder, ref = tiny_llama
-    eng = Engine(model_path=str(folder), max_total_tokens=160, disable_torch_compile=True)
+    eng = Engine(model_path=str(folder), max_total_tokens=160)
     ps = _prompts(6, seed=6)
     ps = [p[:30] for p in ps]
     outs = eng.generate(input_ids=ps, sampling_params={**GREEDY, "max_new_tokens": 20})

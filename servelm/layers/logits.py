@@ -8,15 +8,27 @@ from torch import nn
 
 from servelm.distributed.communicator import tensor_model_parallel_all_gather
 from servelm.layers.embedding import VocabParallelEmbedding
+from servelm.layers.linear import can_prepack, packed_linear, prepack_weight
 
 
 class LogitsProcessor(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self, lm_head: VocabParallelEmbedding) -> bool:
+        """Pre-pack the LM head for oneDNN (a copy: a tied embedding still needs its plain weight)."""
+        if not can_prepack(lm_head.weight):
+            return False
+        self.packed = prepack_weight(lm_head.weight.data)
+        return True
 
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
         """hidden: [R, hidden] -> [R, vocab] (padded vocab rows trimmed)."""
-        logits = F.linear(hidden, lm_head.weight)  # [R, V/tp]
+        if self.packed is not None:
+            logits = packed_linear(hidden, self.packed, None)  # [R, V/tp]
+        else:
+            logits = F.linear(hidden, lm_head.weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

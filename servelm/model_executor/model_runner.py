@@ -71,6 +71,7 @@ class ModelRunner:
             self.model = model_cls(config, self.dtype, max_positions=max_positions)
         self._load_weights(source)
         self.model.eval()
+        self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, server_args.chat_template)
         self.eos_token_ids = eos_token_ids_of(config, self.tokenizer)
         self.vocab_size = config.vocab_size
@@ -85,8 +86,9 @@ class ModelRunner:
                                 head_dim_of(config), self.dtype, self.device)
         self.max_context_len = min(max_positions, (self.num_pages - 1) * page)
         self.load_seconds = time.perf_counter() - t0
-        logger.info("Loaded %s (%s, %s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,
-                    config.architectures[0], str(self.dtype).removeprefix("torch."), self.load_seconds,
+        logger.info("Loaded %s (%s, %s, %s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,
+                    config.architectures[0], str(self.dtype).removeprefix("torch."),
+                    "oneDNN pre-packed linears" if self.fast_path else "eager linears", self.load_seconds,
                     self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30)
 
     def _load_weights(self, source: Any) -> None:
@@ -115,5 +117,5 @@ class ModelRunner:
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "architecture": self.config.architectures[0],
-                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device), "fast_path": self.fast_path,
                 "load_seconds": round(self.load_seconds, 2)}

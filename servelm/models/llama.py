@@ -139,6 +139,12 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(fb)
         return self.logits_processor(hidden[fb.logits_indices], self.lm_head)
 
+    def prepack_weights(self) -> int:
+        """Switch every linear layer and the LM head to oneDNN pre-packed weights; returns how many."""
+        count = sum(1 for m in self.modules() if hasattr(m, "prepack") and m is not self.logits_processor
+                    and m.prepack())
+        return count + int(self.logits_processor.prepack(self.lm_head))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this rank's shards; returns the names of parameters loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))

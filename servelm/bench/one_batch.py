@@ -1,0 +1,91 @@
+"""`servelm bench one-batch`: prefill and decode latency/throughput of one static batch.
+
+Drives the real scheduler in-process (the same code path as the server),
+optionally next to transformers' `generate` on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from servelm.bench.common import (
+    build_parser,
+    hf_generate_seconds,
+    load_hf_baseline,
+    median_of,
+    memory_bandwidth_gbs,
+    random_prompts,
+)
+from servelm.config import ServerArgs
+from servelm.entrypoints.engine import Engine
+from servelm.managers.io_struct import GenerateReq
+
+
+def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    sched = engine.scheduler
+    engine.flush_cache()
+    params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    for i, p in enumerate(prompts):
+        sched.add_request(GenerateReq(f"b{i}", p, params))
+    produced = {f"b{i}": 0 for i in range(len(prompts))}
+    t0 = time.perf_counter()
+    while min(produced.values()) == 0:
+        for out in sched.step():
+            produced[out.rid] += len(out.token_ids)
+        # Non-streaming requests report at the end; count the first token from the scheduler itself.
+        for r in sched.running:
+            produced[r.rid] = max(produced[r.rid], len(r.output_ids))
+    t1 = time.perf_counter()
+    steps = 0
+    while sched.has_work():
+        sched.step()
+        steps += 1
+    t2 = time.perf_counter()
+    bs = len(prompts)
+    return {"prefill_s": t1 - t0, "prefill_tok_s": sum(map(len, prompts)) / (t1 - t0),
+            "decode_step_ms": (t2 - t1) / max(steps, 1) * 1e3,
+            "decode_tok_s": bs * (output_len - 1) / (t2 - t1)}
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser("servelm bench one-batch", __doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=32)
+    ns = parser.parse_args(argv)
+    engine = Engine(ServerArgs.from_namespace(ns))
+    hf = load_hf_baseline(ns.model_path) if ns.baseline == "hf" else None
+    bw = memory_bandwidth_gbs()
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.scheduler.runner.model.parameters())
+    print(f"model {engine.scheduler.runner.model_path}  fast_path={engine.scheduler.runner.fast_path}  "
+          f"weights {weight_bytes / 1e6:.0f} MB  memory bandwidth {bw:.1f} GB/s")
+    for bs in ns.batch_size:
+        prompts = random_prompts(bs, ns.input_len, engine.scheduler.vocab_size, ns.seed)
+        run_once(engine, prompts, min(ns.output_len, 4))  # warm-up
+        res = median_of(ns.runs, lambda: run_once(engine, prompts, ns.output_len))  # noqa: B023
+        line = (f"batch {bs:3d}  in {ns.input_len}  out {ns.output_len}  prefill {res['prefill_s'] * 1e3:8.1f} ms "
+                f"({res['prefill_tok_s']:7.1f} tok/s)  decode {res['decode_step_ms']:7.1f} ms/step "
+                f"({res['decode_tok_s']:7.1f} tok/s)")
+        if bs == 1:
+            res["bandwidth_fraction"] = weight_bytes / (res["decode_step_ms"] / 1e3) / 1e9 / bw
+            line += f"  {res['bandwidth_fraction'] * 100:.0f}% of fp32 bandwidth limit"
+        if hf is not None:
+            hf_generate_seconds(hf, prompts, 2)  # warm-up
+
+            def hf_once() -> dict[str, float]:
+                pre = hf_generate_seconds(hf, prompts, 1)  # noqa: B023
+                total = hf_generate_seconds(hf, prompts, ns.output_len)  # noqa: B023
+                return {"prefill_s": pre, "decode_tok_s": bs * (ns.output_len - 1) / (total - pre)}  # noqa: B023
+
+            ref = median_of(ns.runs, hf_once)
+            res.update({f"hf_{k}": v for k, v in ref.items()})
+            res["decode_speedup"] = res["decode_tok_s"] / ref["decode_tok_s"]
+            line += (f"\n           transformers: prefill {ref['prefill_s'] * 1e3:8.1f} ms  decode "
+                     f"{ref['decode_tok_s']:7.1f} tok/s  -> servelm decode x{res['decode_speedup']:.2f}")
+        print(line, flush=True)
+        if ns.json:
+            with open(ns.json, "a") as fh:
+                fh.write(json.dumps({"bench": "one-batch", "batch_size": bs, "input_len": ns.input_len,
+                                     "output_len": ns.output_len, **res}) + "\n")
+    return 0
