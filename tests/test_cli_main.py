@@ -26,7 +26,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["frobnicate"]) == 1
     assert capsys.readouterr().err == (
-        "Error: Unknown command 'frobnicate'. Available commands: serve, generate, backends, version.\n")
+        "Error: Unknown command 'frobnicate'. Available commands: serve, generate, backends, bench, version.\n")
 
 
 def test_top_level_help(capsys: pytest.CaptureFixture[str]) -> None:
