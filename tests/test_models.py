@@ -39,6 +39,31 @@ def test_logits_match_transformers(arch: str, fast: bool, tmp_path, default_toke
     assert (stepped - expected).abs().max().item() < 1e-4
 
 
+def test_llama3_rope_scaling_matches_transformers(tmp_path, default_tokenizer_dir) -> None:
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "llama", std=0.1, rope_parameters=rope)
+    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=512))
+    assert runner.config.rope_parameters["rope_type"] == "llama3"
+    ids = torch.randint(0, runner.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (_run(runner, ids, 0, 200, 0) - expected).abs().max().item() < 1e-4
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path, default_tokenizer_dir) -> None:
+    folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "qwen3", std=0.1)
+    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=256, dtype="bfloat16"))
+    assert runner.dtype == torch.bfloat16 and runner.kv_cache.k.dtype == torch.bfloat16
+    ids = torch.randint(0, runner.vocab_size, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    got = _run(runner, ids, 0, 30, 0)
+    assert got.dtype == torch.float32
+    # bf16 keeps ~3 significant digits: compare relative to the logits' scale.
+    assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+
+
 def test_batched_decode_matches_single(tmp_path, default_tokenizer_dir) -> None:
     """A decode batch of sequences with different lengths equals each sequence alone."""
     folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "qwen2", std=0.1)
