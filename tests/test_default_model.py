@@ -53,3 +53,19 @@ def test_default_model_answers_sensibly(engine) -> None:
                                      add_generation_prompt=True)
     out = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})
     assert "Paris" in out["text"]
+
+
+def test_servelm_generate_prints_only_the_text(engine) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "servelm", "generate", "--prompt", PROMPTS[0],
+                           "--max-new-tokens", "16", "--max-total-tokens", "4096"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], tokenize=False,
+                                     add_generation_prompt=True)
+    expected = engine.generate(prompt, {"max_new_tokens": 16, "temperature": 0})["text"]
+    assert proc.stdout == expected + "\n"
+    assert "Loaded" in proc.stderr  # logs go to stderr, never stdout
