@@ -76,6 +76,15 @@ def _deterministic(shape: tuple[int, ...], dtype: torch.dtype) -> dict:
             "unchanged": torch.equal(x, before), "stats": comm.all_reduce_stats()}
 
 
+def _row_by_row(deterministic: bool) -> int:
+    """How many elements differ between reducing a [64, 257] batch at once and row by row."""
+    comm.configure_all_reduce("none", deterministic=deterministic)
+    x = rank_data(get_tp_group().rank, (64, 257), torch.float32)
+    full = comm.tensor_model_parallel_all_reduce(x.clone())
+    rows = torch.stack([comm.tensor_model_parallel_all_reduce(x[i].clone()) for i in range(64)])
+    return int((full != rows).sum())
+
+
 def _dtype_errors() -> list[str]:
     comm.configure_all_reduce("none", deterministic=True)
     msgs = []
@@ -215,6 +224,14 @@ def test_deterministic_bit_identical_and_batch_invariant(world: World, dtype: to
         assert torch.equal(r["full"], expected)
         for key in ("chunks", "singles", "cols", "embedded"):
             assert torch.equal(r[key], r["full"]), key
+
+
+def test_plain_gloo_is_not_batch_invariant_at_4_ranks_but_deterministic_is(world: World) -> None:
+    # With 2 ranks a + b == b + a, so any all-reduce is invariant; from 3 ranks on, gloo's ring sums an
+    # element in an order that depends on where it falls in the message (measured: ~1/3 of elements differ).
+    if world.world_size == 4:
+        assert all(n > 0 for n in world.run(_row_by_row, False))
+    assert world.run(_row_by_row, True) == [0] * world.world_size
 
 
 def test_deterministic_rejects_other_dtypes(world: World) -> None:
