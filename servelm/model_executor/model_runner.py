@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from servelm.config import ConfigError, ServerArgs
+from servelm.layers.batch_invariant import set_batch_invariant
 from servelm.model_executor.forward_batch import ForwardBatch, KVCache
 from servelm.models.llama import head_dim_of
 from servelm.models.registry import resolve_model_class
@@ -60,6 +61,7 @@ class ModelRunner:
 
         t0 = time.perf_counter()
         self.server_args = server_args
+        set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.model_path = resolve_model_path(server_args.model_path)
