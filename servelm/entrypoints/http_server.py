@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import shutil
 import signal
@@ -859,11 +860,20 @@ async def _startup(state: ServerState) -> None:
 def _stop_scheduler(proc: Any) -> None:
     if proc is None or not proc.is_alive():
         return
+    logger.info("Stopping the scheduler process")
     proc.terminate()
     proc.join(_SCHEDULER_STOP_TIMEOUT_S)
     if proc.is_alive():
+        logger.warning("The scheduler process did not stop within %.0fs; killing it", _SCHEDULER_STOP_TIMEOUT_S)
         proc.kill()
         proc.join(_SCHEDULER_STOP_TIMEOUT_S)
+    logger.info("Scheduler process stopped (exit code %s)", proc.exitcode)
+    # NOTE: starting a 'spawn' process also started multiprocessing's resource tracker, a child
+    # that ignores SIGTERM (so a process reaper would wait for it, then SIGKILL it). Stop it
+    # now; it restarts by itself if anything needs it again. `_stop` is private, hence getattr.
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    with contextlib.suppress(Exception):
+        getattr(tracker, "_stop", lambda: None)()
 
 
 class _UvicornServer(uvicorn.Server):

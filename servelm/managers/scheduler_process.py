@@ -48,7 +48,7 @@ logger = logging.getLogger("servelm.scheduler_process")
 
 SCHEDULER_FACTORY_ENV = "SERVELM_SCHEDULER_FACTORY"
 _PR_SET_PDEATHSIG = 1
-_IDLE_POLL_MS = 1000
+_IDLE_POLL_MS = 250
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -98,6 +98,7 @@ class SchedulerLoop:
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
+        self.stop_requested = False
 
     def _handle(self, msg: Any) -> None:
         sched = self.scheduler
@@ -156,8 +157,12 @@ class SchedulerLoop:
             if outputs:
                 self.send.send(encode(BatchTokenOut(list(outputs))))
 
+    def request_stop(self) -> None:
+        """Stop after the current step (safe to call from a signal handler)."""
+        self.stop_requested = True
+
     def run_forever(self) -> None:
-        while True:
+        while not self.stop_requested:
             self.run_once()
 
 
@@ -173,8 +178,9 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     die_with_parent(parent_pid if parent_pid is not None else os.getppid())
     # Ctrl-C reaches the whole process group; the API process decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SystemExit (not os._exit) so that atexit hooks release semaphores (tqdm's lock) cleanly.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # While loading there is nothing to save; once serving, SIGTERM only asks the loop to stop
+    # (raising from a signal handler could land in a destructor, where it would be swallowed).
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -192,10 +198,15 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.LINGER, 0)
     send.connect(send_addr)
+    loop = SchedulerLoop(scheduler, recv, send)
+    signal.signal(signal.SIGTERM, lambda *_: loop.request_stop())
     ready_writer.send({"status": "ready", "model_info": model_info})
     ready_writer.close()
     try:
-        SchedulerLoop(scheduler, recv, send).run_forever()
+        loop.run_forever()
     except Exception:
         logger.critical("scheduler loop crashed:\n%s", traceback.format_exc())
         os._exit(1)
+    recv.close(0)
+    send.close(0)
+    ctx.term()
