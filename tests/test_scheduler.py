@@ -13,8 +13,10 @@ import zlib
 import pytest
 import torch
 
+from servelm.layers.sampler import SampleOutput, sample
 from servelm.managers.io_struct import GenerateReq
 from servelm.managers.scheduler import Scheduler, SchedulerConfig
+from servelm.model_executor.forward_batch import StepInput
 
 VOCAB = 64
 EOS = 0
@@ -30,11 +32,13 @@ class FakeTokenizer:
 
 
 class FakeRunner:
-    device = torch.device("cpu")
-
     def __init__(self, num_slots: int) -> None:
         self.slot_token = [-1] * num_slots
         self.max_batch = 0
+
+    def execute(self, step: StepInput) -> SampleOutput | None:
+        logits = self.forward(step.to_forward_batch(torch.device("cpu")))
+        return sample(logits, step.sample_rows) if step.sample_rows else None
 
     def forward(self, fb) -> torch.Tensor:
         for slot, tok in zip(fb.out_cache_loc.tolist(), fb.input_ids.tolist()):

@@ -7,7 +7,7 @@ decoding, the next chunk when still prefilling), then waiting requests, so
 chunked prefill and mixed prefill+decode batches need no special cases.
 
 KV bookkeeping is plain Python over page ids (PageAllocator + prefix cache);
-the model runner only sees the resulting ForwardBatch.
+the model runner only sees the resulting StepInput.
 """
 
 from __future__ import annotations
@@ -18,14 +18,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
-from servelm.layers.sampler import SamplingRow, sample
+from servelm.layers.sampler import SampleOutput, SamplingRow
 from servelm.managers.detokenizer import IncrementalDetokenizer
 from servelm.managers.io_struct import GenerateReq, TokenOut
 from servelm.mem_cache.kv_pool import PageAllocator, slots_for
 from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, check_integrity
-from servelm.model_executor.forward_batch import ForwardBatch
+from servelm.model_executor.forward_batch import StepInput
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,9 +32,8 @@ logger = logging.getLogger(__name__)
 class Runner(Protocol):
     """What the scheduler needs from a model runner (a fake one in unit tests)."""
 
-    device: torch.device
-
-    def forward(self, fb: ForwardBatch) -> torch.Tensor: ...
+    def execute(self, step: StepInput) -> SampleOutput | None:
+        """Run one forward (on every TP rank) and sample step.sample_rows; None when there are none."""
 
 
 @dataclass
@@ -281,16 +278,16 @@ class Scheduler:
             if end == len(ids):
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(req)
-        fb = ForwardBatch.build(input_ids, positions, out_loc, [n for _, n in plan], kv_indices, logits_rows,
-                                self.runner.device)
-        logits = self.runner.forward(fb)  # also run when nothing samples: partial chunks still fill KV
+        rows = [SamplingRow(r.params, r.seed, r.sample_index, r.seq_len, r.prompt_ids, r.output_ids,
+                            self._banned_ids(r)) for r in sampled]
+        # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
+        result = self.runner.execute(StepInput(input_ids, positions, out_loc, [n for _, n in plan], kv_indices,
+                                               logits_rows, rows))
         for req, n in plan:
             req.num_computed += n
         outputs: list[TokenOut] = []
         if sampled:
-            rows = [SamplingRow(r.params, r.seed, r.sample_index, r.seq_len, r.prompt_ids, r.output_ids,
-                                self._banned_ids(r)) for r in sampled]
-            result = sample(logits, rows)
+            assert result is not None
             for k, req in enumerate(sampled):
                 self._append_token(req, result.token_ids[k], result.logprobs[k], result.top_logprobs[k])
                 if req.finish_reason is not None:

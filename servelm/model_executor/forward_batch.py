@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,28 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+@dataclass
+class StepInput:
+    """One scheduler step in plain Python: what rank 0 broadcasts to the other TP ranks.
+
+    Request i adds tokens at positions [seq_len_i - extend_lens[i], seq_len_i); its KV
+    (prefix + new) is at kv_indices[i]; `sample_rows` are the sampling rows, in the order
+    of `logits_indices`.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: list[int]
+    extend_lens: list[int]
+    kv_indices: list[list[int]]
+    logits_indices: list[int]
+    sample_rows: list[Any] = field(default_factory=list)
+
+    def to_forward_batch(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch.build(self.input_ids, self.positions, self.out_cache_loc, self.extend_lens,
+                                  self.kv_indices, self.logits_indices, device)
 
 
 @dataclass

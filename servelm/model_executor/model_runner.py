@@ -11,7 +11,8 @@ from tqdm import tqdm
 
 from servelm.config import ConfigError, ServerArgs
 from servelm.layers.batch_invariant import set_batch_invariant
-from servelm.model_executor.forward_batch import ForwardBatch, KVCache
+from servelm.layers.sampler import SampleOutput, sample
+from servelm.model_executor.forward_batch import ForwardBatch, KVCache, StepInput
 from servelm.models.llama import head_dim_of
 from servelm.models.registry import resolve_model_class
 
@@ -116,6 +117,11 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         fb.kv_cache = self.kv_cache
         return self.model(fb)
+
+    def execute(self, step: StepInput) -> SampleOutput | None:
+        """One scheduler step: forward over the mixed batch, then sample its rows."""
+        logits = self.forward(step.to_forward_batch(self.device))
+        return sample(logits, step.sample_rows) if step.sample_rows else None
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "architecture": self.config.architectures[0],
