@@ -198,6 +198,21 @@ def test_configure_rejects_unknown_mode() -> None:
         comm.configure_all_reduce("int3", group=TPGroup())
 
 
+@pytest.mark.parametrize("ws", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_configure_world_size_rule(ws: int, caplog: pytest.LogCaptureFixture) -> None:
+    group = TPGroup(world_size=ws)
+    with caplog.at_level(logging.WARNING, logger="servelm.distributed.communicator"):
+        cfg = comm.configure_all_reduce("fp", min_bytes=123, deterministic=False, group=group)
+    supported = ws in (1, 2, 4, 8)  # a world of one never reduces: nothing to warn about
+    assert cfg == group.all_reduce_config
+    assert (cfg.mode, cfg.min_bytes, cfg.quick_mode) == ("fp", 123, "fp" if supported else "none")
+    assert caplog.messages == ([] if supported else [WARNING.format(ws)])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="servelm.distributed.communicator"):
+        assert comm.configure_all_reduce("none", group=group).quick_mode == "none"
+    assert caplog.messages == []
+
+
 def test_plain_all_reduce_exact(world: World) -> None:
     ws = world.world_size
     res = world.run(_plain, (64, 33))

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import socket
+import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from distributed_harness import World, free_port
 
 from servelm.distributed import startup
+from servelm.distributed.communicator import tensor_model_parallel_all_reduce
 from servelm.distributed.parallel_state import (
+    broadcast_object,
     destroy_distributed,
     get_tp_group,
     get_tp_rank,
@@ -173,3 +179,40 @@ def test_parse_dist_init_addr() -> None:
 def test_init_distributed_validates_layout(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         init_distributed(dist_init_addr="127.0.0.1:1", **kwargs)
+
+
+def _dying_rank(rank: int, addr: str, out: object) -> None:
+    init_distributed(2, rank, addr, timeout_s=60)
+    broadcast_object("in step")
+    if rank == 1:
+        os._exit(3)  # a crashed rank: no clean-up, sockets closed by the OS
+    time.sleep(0.3)
+    outcome = []
+    for call in (lambda: tensor_model_parallel_all_reduce(torch.ones(4)), lambda: broadcast_object("next step")):
+        t0 = time.monotonic()
+        try:
+            call()
+            outcome.append(("no error", time.monotonic() - t0))
+        except RuntimeError as err:
+            outcome.append((str(err), time.monotonic() - t0))
+    destroy_distributed()  # its barrier fails fast too: no hang on the way out
+    out.put(outcome)  # type: ignore[attr-defined]
+
+
+def test_a_dead_peer_makes_collectives_fail_fast_not_hang() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    addr = f"127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_dying_rank, args=(r, addr, out), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        outcome = out.get(timeout=30)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0, 3]
+    for message, seconds in outcome:  # both the device group and the CPU group notice at once
+        assert "Connection closed by peer" in message and seconds < 5, (message, seconds)
