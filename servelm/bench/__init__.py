@@ -8,6 +8,7 @@ BENCHES = {
     "one-batch": "servelm.bench.one_batch",
     "offline": "servelm.bench.offline",
     "serving": "servelm.bench.serving",
+    "allreduce": "servelm.bench.allreduce",
 }
 
 

@@ -35,7 +35,7 @@ commands:
   serve      start a server: servelm serve [MODEL] [--model-type TYPE] [options]
              (servelm serve --help lists the options)
   generate   one-shot offline generation: servelm generate [--model-path MODEL] --prompt TEXT
-  bench      benchmarks: servelm bench {one-batch,offline,serving} --help
+  bench      benchmarks: servelm bench {one-batch,offline,serving,allreduce,deterministic} --help
   backends   list the serve backends, where they come from and whether they load
   version    print the servelm version
 """
