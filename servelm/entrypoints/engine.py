@@ -141,7 +141,8 @@ class Engine:
         return self.scheduler.server_info()
 
     def shutdown(self) -> None:
-        """Nothing runs in the background; kept for API symmetry with a server-backed engine."""
+        """Stop the other tensor-parallel ranks, if any (a TP=1 engine has nothing running)."""
+        self.scheduler.shutdown()
 
     def __enter__(self) -> Engine:
         return self

@@ -916,6 +916,14 @@ def launch_server(server_args: ServerArgs) -> None:
     every way out.
     """
     _configure_logging(server_args.log_level)
+    if server_args.node_rank > 0:
+        # Other nodes of a multi-node TP group only run their ranks; node 0 serves HTTP.
+        from servelm.managers.tp_worker import run_node_workers
+
+        code = run_node_workers(server_args)
+        if code:
+            raise ServerError(f"a TP rank on node {server_args.node_rank} exited with code {code}")
+        return
     tmpdir = tempfile.mkdtemp(prefix="servelm-")
     to_scheduler = f"ipc://{os.path.join(tmpdir, 'to_scheduler')}"
     from_scheduler = f"ipc://{os.path.join(tmpdir, 'from_scheduler')}"
@@ -924,7 +932,9 @@ def launch_server(server_args: ServerArgs) -> None:
     manager = TokenizerManager(server_args, to_scheduler, from_scheduler, metrics)
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_scheduler_process, name="servelm-scheduler", daemon=True,
+    # Not a daemon: under TP the scheduler process starts the other ranks. It still dies with
+    # this process (die_with_parent) and is stopped on every way out below.
+    proc = ctx.Process(target=run_scheduler_process, name="servelm-scheduler", daemon=False,
                        args=(server_args, to_scheduler, from_scheduler, writer, os.getpid()))
     state = ServerState(server_args=server_args, model_name=model_name, manager=manager, metrics=metrics,
                         proc=proc, ready_reader=reader)

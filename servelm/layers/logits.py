@@ -24,11 +24,14 @@ class LogitsProcessor(nn.Module):
         self.packed = prepack_weight(lm_head.weight.data)
         return True
 
-    def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding) -> torch.Tensor:
-        """hidden: [R, hidden] -> [R, vocab] (padded vocab rows trimmed)."""
+    def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, gather: bool = True) -> torch.Tensor:
+        """hidden: [R, hidden] -> [R, vocab] fp32 (padded vocab trimmed), or with gather=False this
+        rank's vocab shard [R, V_padded/tp] (for the LM-head all-to-all)."""
         if self.packed is not None:
             logits = packed_linear(hidden, self.packed, None)  # [R, V/tp]
         else:
             logits = F.linear(hidden, lm_head.weight)
+        if not gather:
+            return logits.float()
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

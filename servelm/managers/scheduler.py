@@ -102,9 +102,22 @@ class Scheduler:
 
     @classmethod
     def from_server_args(cls, server_args: Any) -> Scheduler:
-        from servelm.model_executor.model_runner import ModelRunner
+        from servelm.managers.tp_worker import start_local_workers, with_dist_init_addr
+        from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility, resolve_model_path
+        from servelm.model_loader.source import load_model_source
 
-        runner = ModelRunner(server_args)
+        server_args = with_dist_init_addr(server_args)
+        # Checked before any rank process starts, so a bad --tp-size is one clear error.
+        source = load_model_source(resolve_model_path(server_args.model_path))
+        check_tp_divisibility(source.config, server_args.tp_size)
+        workers = start_local_workers(server_args)
+        try:
+            runner = ModelRunner(server_args, tp_rank=0, source=source)
+        except BaseException:
+            if workers is not None:
+                workers.stop(timeout=0)
+            raise
+        runner.workers = workers
         cfg = SchedulerConfig(num_pages=runner.num_pages, page_size=server_args.page_size,
                               chunked_prefill_size=server_args.chunked_prefill_size,
                               max_running_requests=server_args.max_running_requests,
@@ -339,6 +352,17 @@ class Scheduler:
         return self._make_out(req)
 
     # ------------------------------------------------------------ control
+    def shutdown(self) -> None:
+        """Stop the other TP ranks (if any) and leave the process group."""
+        workers = getattr(self.runner, "workers", None)
+        if workers is not None:
+            workers.expect_exit()
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        if workers is not None:
+            workers.stop()
+
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused while requests are running."""
         if self.running:

@@ -55,19 +55,47 @@ def eos_token_ids_of(config: Any, tokenizer: Any) -> list[int]:
     return ids
 
 
+def check_tp_divisibility(config: Any, tp_size: int) -> None:
+    """One clear start-up error when the model's heads cannot be split over tp_size ranks."""
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or \
+        config.num_attention_heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"{heads} attention heads")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        problems.append(f"{kv_heads} key/value heads")
+    if config.intermediate_size % tp_size:
+        problems.append(f"an intermediate size of {config.intermediate_size}")
+    if problems:
+        raise ConfigError(f"--tp-size {tp_size} does not divide the model's {' and '.join(problems)} "
+                          f"(the model has {heads} attention heads and {kv_heads} key/value heads); "
+                          "choose a tensor-parallel size that divides them")
+
+
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs) -> None:
+    """Owns the model and the KV storage of one TP rank.
+
+    With tp_size > 1, every rank builds its shard of the model; rank 0 (the one
+    driven by the Scheduler) broadcasts each StepInput, the other ranks run
+    `follow()` and execute the same steps in lockstep.
+    """
+
+    def __init__(self, server_args: ServerArgs, tp_rank: int = 0, source: Any = None) -> None:
         from servelm.model_loader.source import load_model_source
         from servelm.model_loader.tokenizer import load_tokenizer
 
         t0 = time.perf_counter()
         self.server_args = server_args
+        self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
         set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.model_path = resolve_model_path(server_args.model_path)
-        source = load_model_source(self.model_path)
+        source = source or load_model_source(self.model_path)
         self.config = config = source.config
+        check_tp_divisibility(config, self.tp_size)
+        if self.tp_size > 1:
+            self._init_tp()
         model_cls = resolve_model_class(config.architectures)
         max_positions = server_args.context_length or config.max_position_embeddings
         with torch.device(self.device):
@@ -89,14 +117,25 @@ class ModelRunner:
                                 head_dim_of(config), self.dtype, self.device)
         self.max_context_len = min(max_positions, (self.num_pages - 1) * page)
         self.load_seconds = time.perf_counter() - t0
-        logger.info("Loaded %s (%s, %s, %s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,
+        tp_note = f", TP rank {tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
+        logger.info("Loaded %s (%s, %s, %s%s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,
                     config.architectures[0], str(self.dtype).removeprefix("torch."),
-                    "oneDNN pre-packed linears" if self.fast_path else "eager linears", self.load_seconds,
+                    "oneDNN pre-packed linears" if self.fast_path else "eager linears", tp_note, self.load_seconds,
                     self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30)
+
+    def _init_tp(self) -> None:
+        from servelm.distributed.communicator import configure_all_reduce
+        from servelm.distributed.parallel_state import init_distributed
+
+        sa = self.server_args
+        if not sa.dist_init_addr:
+            raise ConfigError("--dist-init-addr host:port is required with --tp-size > 1")
+        init_distributed(sa.tp_size, self.tp_rank, sa.dist_init_addr, sa.nnodes, sa.node_rank, sa.dist_timeout)
+        configure_all_reduce(sa.quick_allreduce, sa.quick_allreduce_min_bytes, sa.enable_deterministic_inference)
 
     def _load_weights(self, source: Any) -> None:
         weights = tqdm(source.iter_weights(self.dtype), total=source.num_weights, desc="Loading weights",
-                       unit="tensor", leave=False)
+                       unit="tensor", leave=False, disable=self.tp_rank != 0)
         loaded = self.model.load_weights(weights)
         expected = {n for n, _ in self.model.named_parameters()}
         missing = sorted(expected - loaded)
@@ -105,25 +144,82 @@ class ModelRunner:
                              + (" ..." if len(missing) > 5 else ""))
 
     def _kv_budget_tokens(self, bytes_per_token: int) -> int:
+        """KV pool size in tokens. Under TP every rank uses the minimum free memory over all ranks
+        (measured after the collective warm-ups), so all pools are identical."""
+        from servelm.distributed.startup import get_local_free_memory, run_startup_checks
+
         sa = self.server_args
+        if self.tp_size > 1:
+            free = run_startup_checks(sa.strict_memory_balance, sa.enable_tp_lm_head_all_to_all)
+        else:
+            free = get_local_free_memory(self.device)
         if sa.max_total_tokens is not None:
             return sa.max_total_tokens
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * sa.mem_fraction_static) // bytes_per_token
-        return int(sa.cpu_kv_cache_gb * 2**30) // bytes_per_token
+        # On CPU: --cpu-kv-cache-gb, but never more than 80% of the RAM this rank may use.
+        return int(min(sa.cpu_kv_cache_gb * 2**30, 0.8 * free)) // bytes_per_token
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, gather_logits: bool = True) -> torch.Tensor:
         fb.kv_cache = self.kv_cache
-        return self.model(fb)
+        return self.model(fb, gather_logits=gather_logits)
 
-    def execute(self, step: StepInput) -> SampleOutput | None:
-        """One scheduler step: forward over the mixed batch, then sample its rows."""
-        logits = self.forward(step.to_forward_batch(self.device))
-        return sample(logits, step.sample_rows) if step.sample_rows else None
+    def execute(self, step: StepInput | None) -> SampleOutput | None:
+        """One scheduler step on this rank: forward over the mixed batch, then sample its rows.
+
+        Rank 0 passes the step and broadcasts it first; under TP the result is meaningful on rank 0.
+        """
+        if self.tp_size > 1 and self.tp_rank == 0:
+            from servelm.distributed.parallel_state import broadcast_object
+
+            broadcast_object(step)
+        assert step is not None
+        fb = step.to_forward_batch(self.device)
+        rows = step.sample_rows
+        if self.tp_size > 1 and self.server_args.enable_tp_lm_head_all_to_all and rows:
+            from servelm.distributed.lm_head_all_to_all import can_use_all_to_all
+
+            if can_use_all_to_all(len(rows)):
+                return self._sample_all_to_all(fb, rows)
+        logits = self.forward(fb)
+        if not rows or self.tp_rank != 0:
+            return None  # every rank holds the full logits; only rank 0 needs the samples
+        return sample(logits, rows)
+
+    def _sample_all_to_all(self, fb: ForwardBatch, rows: list[Any]) -> SampleOutput:
+        """Each rank samples its block of rows from [rows/tp, V] logits; only the results are gathered."""
+        import torch.distributed as dist
+
+        from servelm.distributed.lm_head_all_to_all import gather_sampled_tokens, lm_head_all_to_all, my_rows
+        from servelm.distributed.parallel_state import get_tp_group
+
+        local = self.forward(fb, gather_logits=False)  # [R, V_padded/tp]
+        mine = lm_head_all_to_all(local)[:, : self.vocab_size]  # [R/tp, V]
+        out = sample(mine, [rows[i] for i in my_rows(len(rows))])
+        token_ids = gather_sampled_tokens(torch.tensor(out.token_ids, dtype=torch.long, device=self.device))
+        if not any(r.params.logprobs for r in rows):
+            return SampleOutput(token_ids.tolist(), [None] * len(rows), [None] * len(rows))
+        parts: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(parts, (out.logprobs, out.top_logprobs), group=get_tp_group().cpu_group)
+        return SampleOutput(token_ids.tolist(), [x for p in parts for x in p[0]], [x for p in parts for x in p[1]])
+
+    def follow(self) -> None:
+        """Non-zero TP ranks: execute every step rank 0 broadcasts, until it broadcasts None."""
+        from servelm.distributed.parallel_state import broadcast_object
+
+        while (step := broadcast_object(None)) is not None:
+            self.execute(step)
+
+    def shutdown(self) -> None:
+        """Rank 0: release the followers from `follow()` and leave the process group."""
+        if self.tp_size > 1 and self.tp_rank == 0:
+            from servelm.distributed.parallel_state import broadcast_object, destroy_distributed
+
+            broadcast_object(None)
+            destroy_distributed()
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "architecture": self.config.architectures[0],
-                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device), "fast_path": self.fast_path,
-                "load_seconds": round(self.load_seconds, 2)}
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "fast_path": self.fast_path, "tp_size": self.tp_size, "load_seconds": round(self.load_seconds, 2)}

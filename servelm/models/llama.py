@@ -134,10 +134,11 @@ class LlamaForCausalLM(nn.Module):
                         else ParallelLMHead(config.vocab_size, config.hidden_size, dtype))
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        """Returns fp32 logits [R, vocab] for the rows in fb.logits_indices."""
+    def forward(self, fb: ForwardBatch, gather_logits: bool = True) -> torch.Tensor:
+        """Returns fp32 logits [R, vocab] for the rows in fb.logits_indices (this rank's vocab shard
+        [R, V_padded/tp] with gather_logits=False)."""
         hidden = self.model(fb)
-        return self.logits_processor(hidden[fb.logits_indices], self.lm_head)
+        return self.logits_processor(hidden[fb.logits_indices], self.lm_head, gather=gather_logits)
 
     def prepack_weights(self) -> int:
         """Switch every linear layer and the LM head to oneDNN pre-packed weights; returns how many."""

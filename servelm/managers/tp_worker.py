@@ -1,0 +1,137 @@
+"""Processes of the TP ranks other than rank 0.
+
+Rank 0 lives in the scheduler's process (the server's scheduler process, or
+the caller's process for the offline Engine). It starts the other ranks of
+its node here, before joining the rendezvous; on other nodes
+`run_node_workers` starts that node's ranks. Each worker loads its shard and
+runs `ModelRunner.follow()`. Workers die with their parent, and rank 0 dies
+(with a clear log line) when a worker dies, so a lost rank never hangs the
+server.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from multiprocessing.process import BaseProcess
+
+from servelm.config import ConfigError, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def local_ranks(server_args: ServerArgs) -> range:
+    """Global ranks hosted by this node (ranks are laid out node by node)."""
+    if server_args.tp_size % server_args.nnodes:
+        raise ConfigError(f"--tp-size ({server_args.tp_size}) must be a multiple of --nnodes ({server_args.nnodes})")
+    per_node = server_args.tp_size // server_args.nnodes
+    return range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
+
+
+def with_dist_init_addr(server_args: ServerArgs) -> ServerArgs:
+    """Fill in a free local rendezvous port for single-node TP; multi-node needs an explicit one."""
+    if server_args.tp_size == 1 or server_args.dist_init_addr:
+        return server_args
+    if server_args.nnodes > 1:
+        raise ConfigError("--dist-init-addr host:port is required with --nnodes > 1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return server_args.replace(dist_init_addr=f"127.0.0.1:{port}")
+
+
+def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None:
+    from servelm.managers.scheduler_process import die_with_parent
+    from servelm.model_executor.model_runner import ModelRunner
+
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
+    logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [TP{tp_rank}] %(name)s: %(message)s")
+    try:
+        runner = ModelRunner(server_args, tp_rank=tp_rank)
+        runner.follow()
+    except Exception as exc:
+        logger.error("TP rank %d failed: %s: %s", tp_rank, type(exc).__name__, exc)
+        os._exit(1)
+    os._exit(0)
+
+
+class TPWorkers:
+    """The worker processes of this node, watched by a thread."""
+
+    def __init__(self, server_args: ServerArgs, ranks: list[int]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.procs: dict[int, BaseProcess] = {}
+        self._stopping = False
+        for rank in ranks:
+            proc = ctx.Process(target=_worker_main, args=(server_args, rank, os.getpid()), daemon=True,
+                               name=f"servelm-tp{rank}")
+            proc.start()
+            self.procs[rank] = proc
+
+    def watch(self, on_death: str = "exit") -> None:
+        """Start a thread that ends this process when any worker dies unexpectedly."""
+        def run() -> None:
+            while not self._stopping:
+                for rank, proc in self.procs.items():
+                    if proc.exitcode is not None and not self._stopping:
+                        logger.critical("TP rank %d died (exit code %s); shutting down", rank, proc.exitcode)
+                        if on_death == "exit":
+                            os._exit(1)
+                        return
+                time.sleep(0.2)
+
+        threading.Thread(target=run, name="tp-watch", daemon=True).start()
+
+    def join_all(self) -> int:
+        """Wait for every worker; returns the first non-zero exit code (0 when all ended cleanly)."""
+        code = 0
+        for proc in self.procs.values():
+            proc.join()
+            code = code or (proc.exitcode or 0)
+        return code
+
+    def expect_exit(self) -> None:
+        """Workers are about to be told to exit: their exit is no longer a death."""
+        self._stopping = True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(1.0)
+            if proc.is_alive():
+                proc.kill()
+
+
+def start_local_workers(server_args: ServerArgs) -> TPWorkers | None:
+    """From rank 0's process: start this node's other ranks (rank 0 itself is the caller)."""
+    if server_args.tp_size == 1:
+        return None
+    workers = TPWorkers(server_args, [r for r in local_ranks(server_args) if r != 0])
+    workers.watch()
+    return workers
+
+
+def run_node_workers(server_args: ServerArgs) -> int:
+    """`servelm serve --node-rank N` (N > 0): run this node's ranks until rank 0 shuts them down."""
+    if not server_args.dist_init_addr:
+        raise ConfigError("--dist-init-addr host:port is required with --nnodes > 1")
+    ranks = list(local_ranks(server_args))
+    logger.info("Node %d: starting TP ranks %s; rendezvous at %s", server_args.node_rank, ranks,
+                server_args.dist_init_addr)
+    workers = TPWorkers(server_args, ranks)
+    try:
+        return workers.join_all()
+    finally:
+        workers.stop(timeout=1.0)

@@ -1,0 +1,137 @@
+"""Tensor parallelism end to end: TP>1 gives the TP=1 tokens (and logprobs), offline and through the server.
+
+Every test runs real rank processes over gloo on this CPU.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from servelm.entrypoints.engine import Engine
+from tests.conftest import build_tiny_model
+from tests.server_fixtures import REPO_ROOT, free_port, start_server
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True}
+
+
+def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, default_tokenizer_dir):
+    out = {}
+    for arch in ("llama", "qwen3"):
+        out[arch], _ = build_tiny_model(tmp_path_factory.mktemp(arch), default_tokenizer_dir, arch, std=0.5)
+    return out
+
+
+def _run(folder, **kw) -> list[dict]:
+    engine = Engine(model_path=str(folder), max_total_tokens=2048, **kw)
+    try:
+        return engine.generate(input_ids=_prompts(), sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+
+
+def _assert_same(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x["output_ids"] == y["output_ids"]
+        # logprob = logit - logsumexp(logits): a logit error shows up here.
+        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp_equals_tp1_offline(arch: str, tiny_models) -> None:
+    base = _run(tiny_models[arch])
+    _assert_same(_run(tiny_models[arch], tp_size=2), base)
+    _assert_same(_run(tiny_models[arch], tp_size=2, enable_tp_lm_head_all_to_all=True), base)
+
+
+def test_tp4_replicates_kv_heads(tiny_models) -> None:
+    """4 ranks over 2 KV heads: each KV head is replicated on two ranks."""
+    base = _run(tiny_models["qwen3"])
+    _assert_same(_run(tiny_models["qwen3"], tp_size=4, enable_tp_lm_head_all_to_all=True), base)
+
+
+def test_multi_node_layout(tiny_models) -> None:
+    """Two 'nodes' on one machine: node 1 runs `servelm serve --node-rank 1`, node 0 is the offline Engine."""
+    addr = f"127.0.0.1:{free_port()}"
+    folder = str(tiny_models["llama"])
+    node1 = subprocess.Popen([sys.executable, "-m", "servelm", "serve", "--model-path", folder, "--tp", "2",
+                              "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", addr,
+                              "--max-total-tokens", "2048"], cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        out = _run(folder, tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+        assert node1.wait(timeout=60) == 0, node1.stderr.read()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+    _assert_same(out, _run(folder))
+
+
+def test_server_tp2_matches_offline_tp1(tiny_models, tmp_path) -> None:
+    folder = tiny_models["llama"]
+    expected = _run(folder)
+    srv = start_server(["--model-path", str(folder), "--tp", "2", "--max-total-tokens", "2048"],
+                       tmp_path / "server.log")
+    try:
+        for ids, exp in zip(_prompts(), expected, strict=True):
+            r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": ids, "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == exp["output_ids"]
+        # A rank that dies takes the whole server down: non-zero exit, no orphans.
+        sched = [p for p in psutil.Process(srv.proc.pid).children() if _is_spawned(p)]
+        assert len(sched) == 1
+        workers = [p for p in sched[0].children() if _is_spawned(p)]
+        assert len(workers) == 1  # TP rank 1
+        children = srv.children()
+        workers[0].kill()
+        code = srv.proc.wait(timeout=30)
+        assert code != 0
+        assert "TP rank 1 died" in srv.log()
+        time.sleep(0.5)
+        assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        srv.stop()
+
+
+def _is_spawned(p: psutil.Process) -> bool:
+    """A multiprocessing 'spawn' child (not the resource tracker)."""
+    try:
+        return any("spawn_main" in part for part in p.cmdline())
+    except psutil.Error:
+        return False
+
+
+def test_tp2_on_default_model_fails_at_startup_naming_the_heads() -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "servelm", "generate", "--prompt", "hi", "--tp", "2"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "Error: --tp-size 2 does not divide the model's 9 attention heads and 3 key/value heads (the model has 9 "
+        "attention heads and 3 key/value heads); choose a tensor-parallel size that divides them")
+    assert time.monotonic() - t0 < 60
+
+
+def test_tp3_on_default_model_gives_tp1_text() -> None:
+    prompt = "What is the capital of France?"
+    texts = []
+    for tp in (1, 3):
+        proc = subprocess.run([sys.executable, "-m", "servelm", "generate", "--prompt", prompt, "--max-new-tokens",
+                               "12", "--tp", str(tp), "--max-total-tokens", "2048"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        texts.append(proc.stdout)
+    assert texts[0] == texts[1] and "Paris" in texts[0]
