@@ -48,11 +48,33 @@ def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[
             "decode_tok_s": bs * (output_len - 1) / (t2 - t1)}
 
 
+def profile_decode(engine: Engine, prompts: list[list[int]], steps: int = 8) -> str:
+    """torch.profiler table (self CPU time by op) of `steps` decode steps at this batch size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = engine.scheduler
+    engine.flush_cache()
+    for i, p in enumerate(prompts):
+        sched.add_request(GenerateReq(f"p{i}", p, {"max_new_tokens": steps + 2, "temperature": 0,
+                                                    "ignore_eos": True}))
+    while any(not r.output_ids for r in sched.running) or sched.waiting:
+        sched.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            sched.step()
+    while sched.has_work():
+        sched.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    return f"profile of {steps} decode steps at batch {len(prompts)} (self CPU time by op):\n{table}"
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser("servelm bench one-batch", __doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--profile", action="store_true",
+                        help="Also print where one decode step's time goes, by op (torch.profiler).")
     ns = parser.parse_args(argv)
     engine = Engine(ServerArgs.from_namespace(ns))
     hf = load_hf_baseline(ns.model_path) if ns.baseline == "hf" else None
@@ -84,6 +106,8 @@ def main(argv: list[str]) -> int:
             line += (f"\n           transformers: prefill {ref['prefill_s'] * 1e3:8.1f} ms  decode "
                      f"{ref['decode_tok_s']:7.1f} tok/s  -> servelm decode x{res['decode_speedup']:.2f}")
         print(line, flush=True)
+        if ns.profile:
+            print(profile_decode(engine, prompts), flush=True)
         if ns.json:
             with open(ns.json, "a") as fh:
                 fh.write(json.dumps({"bench": "one-batch", "batch_size": bs, "input_len": ns.input_len,
