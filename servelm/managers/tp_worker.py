@@ -54,13 +54,16 @@ def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
     logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [TP{tp_rank}] %(name)s: %(message)s")
+    from servelm.distributed.parallel_state import destroy_distributed
+
     try:
         runner = ModelRunner(server_args, tp_rank=tp_rank)
         runner.follow()
+        destroy_distributed()  # pairs with rank 0's ModelRunner.shutdown()
     except Exception as exc:
         logger.error("TP rank %d failed: %s: %s", tp_rank, type(exc).__name__, exc)
         os._exit(1)
-    os._exit(0)
+    # A normal return (not os._exit) lets multiprocessing release this process's semaphores.
 
 
 class TPWorkers:
