@@ -4,14 +4,24 @@ NOTE (CPU performance): advanced indexing (`cache[idx]`) and `index_put_` are
 ~100x slower than `index_select` / `index_copy_` for these shapes on CPU, and
 SDPA costs ~0.4 ms per call for a one-token decode query while two small
 matmuls take ~0.02 ms; so decode uses explicit matmuls and prefill uses SDPA.
+
+With `--enable-deterministic-inference` both prefill and decode go through
+one batch-invariant path instead (`BatchInvariantAttention`): SDPA and the
+decode matmuls reduce over a key count that depends on the batch (the padded
+decode length, the prefill chunk), and neither MKL's gemm nor torch's sum
+gives the same bits when that length changes, even by zero padding (see
+servelm.layers.batch_invariant).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.layers.batch_invariant import RowRule, is_batch_invariant, row_rule
 from servelm.model_executor.forward_batch import ForwardBatch
 
 
@@ -22,6 +32,7 @@ class PagedAttention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.layer_id = layer_id
         self.scale = head_dim ** -0.5
+        self.invariant = BatchInvariantAttention(num_heads, num_kv_heads, head_dim, self.scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens only) -> [T, H*D]."""
@@ -29,6 +40,8 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = fb.kv_cache.k[self.layer_id], fb.kv_cache.v[self.layer_id]
         k_cache.index_copy_(0, fb.out_cache_loc, k)
         v_cache.index_copy_(0, fb.out_cache_loc, v)
+        if is_batch_invariant():
+            return self.invariant(q, k_cache, v_cache, fb)
         if fb.is_decode:
             return self._decode(q, k_cache, v_cache, fb)
         gqa = self.num_heads != self.num_kv_heads
@@ -65,3 +78,164 @@ class PagedAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         out = torch.matmul(probs, values)  # [B, Hkv, group, D]
         return out.reshape(B, self.num_heads * self.head_dim)
+
+
+# ---------------------------------------------------------------- batch-invariant attention
+# Keys are split in chunks of KV_CHUNK positions aligned to position 0, so a
+# query's chunks are the same however its request was batched, chunked or
+# cached. Every reduction over keys has a fixed length: q.k over head_dim,
+# the exp-sum and probs @ V over one chunk (KV_CHUNK), and the chunks are
+# added in a fixed pairwise tree (`_tree_sum`); chunks past a query's position
+# are all-masked and contribute exact zeros, which leave the tree's sums
+# unchanged. The max subtracted before exp is the max over all the query's
+# keys, which is exact in any order. The only batch-dependent shape left is
+# the number of query rows per matmul, which `RowRule` pads to a count probed
+# to be invariant (MKL's batched gemm here: any M >= 4; the group of 3 query
+# heads per KV head of SmolLM2 is therefore padded to 4 rows).
+KV_CHUNK = 64
+ATTENTION_PROBE_ROWS = 2048
+
+
+def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over `dim` as a pairwise tree whose shape depends only on each element's index.
+
+    Element i is always combined with the same neighbours, and a missing
+    neighbour counts as zero, so appending zero slices never changes the
+    result (a plain torch.sum pairs its accumulators by length).
+    """
+    while x.shape[dim] > 1:
+        if x.shape[dim] % 2:
+            x = torch.cat([x, torch.zeros_like(x.narrow(dim, 0, 1))], dim)
+        pairs = x.unflatten(dim, (-1, 2))
+        x = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+    return x.squeeze(dim)
+
+
+def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """The batch-invariant core.
+
+    q: [Hkv, B, R, D] query rows; keys, values: [Hkv, B, nch, C, D]; mask:
+    [1, B, nch, R, C] True where a key is not visible (later position or
+    padding). Returns fp32 [Hkv, B, R, D]. Each row's result depends only on
+    its own query, its request's keys and its position.
+    """
+    # q is broadcast over the chunks: one [R, D] x [D, C] product per (head, request, chunk).
+    scores = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)).float()  # [Hkv, B, nch, R, C]
+    scores.mul_(scale).masked_fill_(mask, float("-inf"))
+    scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()
+    denom = _tree_sum(scores.sum(-1), 2)  # [Hkv, B, R]
+    numer = _tree_sum(torch.matmul(scores.to(values.dtype), values).float(), 2)  # [Hkv, B, R, D]
+    return numer / denom.unsqueeze(-1)
+
+
+@dataclass
+class _Unit:
+    """Queries attended together: B requests with `n` new tokens each (B = 1 unless n = 1)."""
+
+    tokens: torch.Tensor  # [B * n] rows of the flat batch, request-major
+    B: int
+    n: int
+    rows: int  # padded rows per request (>= n * group)
+    slots: torch.Tensor  # [B * nch * C] KV slots, padded with the request's first slot
+    nch: int
+    mask: torch.Tensor  # [1, B, nch, rows, C]
+
+
+def _probe_attention(head_dim: int, dtype: torch.dtype, device: torch.device) -> RowRule:
+    """The row rule of `attend_chunks` on this machine: rows are (query, position) pairs."""
+    gen = torch.Generator(device="cpu").manual_seed(99)
+    kv = torch.randn(2, 1, 1, 2, KV_CHUNK, head_dim, generator=gen).to(dtype=dtype, device=device)
+    key_pos = torch.arange(2 * KV_CHUNK, device=device).view(2, 1, KV_CHUNK)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        # The last column of a probe row encodes its query position.
+        pos = (x[:, -1].float().abs() * 40).long() % (2 * KV_CHUNK)
+        mask = (key_pos > pos.view(1, -1, 1)).view(1, 1, 2, -1, KV_CHUNK)
+        q = x[:, :-1].reshape(1, 1, -1, head_dim)
+        return attend_chunks(q, kv[0], kv[1], mask, head_dim ** -0.5)[0, 0]
+
+    return row_rule(("attention", head_dim, KV_CHUNK), fn, head_dim + 1, dtype, device, ATTENTION_PROBE_ROWS,
+                    f"attention head_dim={head_dim} chunk={KV_CHUNK}")
+
+
+class BatchInvariantAttention(nn.Module):
+    """Attention for prefill, extend and decode alike whose rows do not depend on the batch."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] (this step's tokens; their K/V already in the cache) -> [T, H*D]."""
+        units = self._plan(fb, q.dtype, q.device)
+        Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
+        out = q.new_empty(q.shape[0], self.num_heads * D)
+        for u in units:
+            # [B*n, H, D] -> [Hkv, B, n*g, D], rows padded with zero queries
+            qu = q.index_select(0, u.tokens).view(u.B, u.n, Hkv, g, D).permute(2, 0, 1, 3, 4)
+            qu = qu.reshape(Hkv, u.B, u.n * g, D)
+            if u.rows > u.n * g:
+                qu = torch.cat([qu, qu.new_zeros(Hkv, u.B, u.rows - u.n * g, D)], dim=2)
+            # [B*nch*C, Hkv, D] -> [Hkv, B, nch, C, D]
+            keys = k_cache.index_select(0, u.slots).view(u.B, u.nch, KV_CHUNK, Hkv, D).permute(3, 0, 1, 2, 4)
+            values = v_cache.index_select(0, u.slots).view(u.B, u.nch, KV_CHUNK, Hkv, D).permute(3, 0, 1, 2, 4)
+            o = attend_chunks(qu, keys.contiguous(), values.contiguous(), u.mask, self.scale)
+            # [Hkv, B, rows, D] -> [B*n, H*D]
+            o = o[:, :, : u.n * g].reshape(Hkv, u.B, u.n, g, D).permute(1, 2, 0, 3, 4)
+            out.index_copy_(0, u.tokens, o.reshape(u.B * u.n, -1).to(out.dtype))
+        return out
+
+    def _plan(self, fb: ForwardBatch, dtype: torch.dtype, device: torch.device) -> list[_Unit]:
+        """The units of this step, built once per forward and shared by all layers."""
+        key = ("_invariant_attention_plan", self.group, self.head_dim)
+        cached = getattr(fb, "_invariant_attention_plan", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        rule = _probe_attention(self.head_dim, dtype, device)
+        g = self.group
+        starts, offset = [], 0
+        for n in fb.extend_lens:
+            starts.append(offset)
+            offset += n
+        units: list[_Unit] = []
+        decodes = [i for i, n in enumerate(fb.extend_lens) if n == 1]
+        if decodes:
+            units.append(self._unit([starts[i] for i in decodes], [fb.seq_lens[i] - 1 for i in decodes],
+                                    [fb.kv_indices[i] for i in decodes], 1, rule, device))
+        # Longer extends in slabs of tokens whose rows fit the probed range (rows are independent).
+        per_slab = max(1, (rule.tile or rule.max_rows) // g)
+        for i, n in enumerate(fb.extend_lens):
+            if n == 1:
+                continue
+            prefix = fb.seq_lens[i] - n
+            for a in range(0, n, per_slab):
+                b = min(n, a + per_slab)
+                units.append(self._unit([starts[i] + a], [prefix + a], [fb.kv_indices[i][: prefix + b]], b - a,
+                                        rule, device))
+        setattr(fb, "_invariant_attention_plan", (key, units))  # noqa: B010 - a per-forward cache
+        return units
+
+    def _unit(self, starts: list[int], first_pos: list[int], kv: list[torch.Tensor], n: int, rule: RowRule,
+              device: torch.device) -> _Unit:
+        """B requests, each with n new tokens starting at flat row starts[b] and position first_pos[b]."""
+        g, C = self.group, KV_CHUNK
+        B = len(starts)
+        rows = n * g
+        rows = rule.tile if rule.tile is not None else max(rows, rule.min_rows)
+        nch = max(-(-len(k) // C) for k in kv)
+        slots = torch.empty(B, nch * C, dtype=torch.long, device=device)
+        for b, k in enumerate(kv):
+            slots[b, : len(k)] = k
+            slots[b, len(k):] = k[0]
+        tokens = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).view(-1)
+        # Row (i, h) of request b holds token i: position first_pos[b] + i. Padding rows see key 0 only.
+        pos = torch.zeros(B, rows, dtype=torch.long, device=device)
+        pos[:, : n * g] = (torch.tensor(first_pos, device=device)[:, None]
+                           + torch.arange(n, device=device)).repeat_interleave(g, dim=1)
+        key_pos = torch.arange(nch * C, device=device).view(1, nch, 1, C)
+        mask = (key_pos > pos.view(B, 1, rows, 1)).unsqueeze(0)
+        return _Unit(tokens, B, n, rows, slots.view(-1), nch, mask)

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.distributed.communicator import tensor_model_parallel_all_gather
+from servelm.layers import batch_invariant
 from servelm.layers.embedding import VocabParallelEmbedding
-from servelm.layers.linear import can_prepack, packed_linear, prepack_weight
+from servelm.layers.linear import can_prepack, invariant_linear_of, packed_linear, prepack_weight
 
 
 class LogitsProcessor(nn.Module):
@@ -27,7 +28,10 @@ class LogitsProcessor(nn.Module):
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, gather: bool = True) -> torch.Tensor:
         """hidden: [R, hidden] -> [R, vocab] fp32 (padded vocab trimmed), or with gather=False this
         rank's vocab shard [R, V_padded/tp] (for the LM-head all-to-all)."""
-        if self.packed is not None:
+        if batch_invariant._ENABLED:
+            # The sampled rows of a step vary in number; padded to a probed invariant count.
+            logits = invariant_linear_of(hidden, lm_head.weight, self.packed, None)
+        elif self.packed is not None:
             logits = packed_linear(hidden, self.packed, None)  # [R, V/tp]
         else:
             logits = F.linear(hidden, lm_head.weight)
