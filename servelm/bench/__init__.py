@@ -9,6 +9,7 @@ BENCHES = {
     "offline": "servelm.bench.offline",
     "serving": "servelm.bench.serving",
     "allreduce": "servelm.bench.allreduce",
+    "deterministic": "servelm.bench.deterministic",
 }
 
 
