@@ -43,12 +43,14 @@ _PREFIX_PROMPT = " ".join(f"Sentence {i}: the quick brown fox number {i} jumps o
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="servelm bench deterministic", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="servelm bench deterministic", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base-url", default="http://127.0.0.1:30000", help="The server (default: %(default)s).")
-    parser.add_argument("--mode", choices=["single", "mixed", "prefix"], default="single")
+    parser.add_argument("--mode", choices=["single", "mixed", "prefix"], default="single",
+                        help="Which batches to send (see above; default: %(default)s).")
     parser.add_argument("--n-trials", type=int, default=50,
                         help="single: the largest batch (batches of 1..N); mixed/prefix: number of batches.")
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0).")
     parser.add_argument("--seed", type=int, default=None,
                         help="Sampling seed sent with every request (default: none, i.e. the server's).")
     parser.add_argument("--max-tokens", type=int, default=32, help="Tokens generated per request.")
