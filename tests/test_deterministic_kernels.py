@@ -57,7 +57,7 @@ def test_rule_only_calls_allowed_row_counts() -> None:
         seen.append(x.shape[0])
         return x @ W.T
 
-    x = torch.randn(300, 16)
+    x = torch.randn(300, 16, generator=torch.Generator().manual_seed(4))
     for rule, allowed in [(RowRule(4, 128), lambda m: 4 <= m <= 128), (RowRule(16, 16, tile=16), lambda m: m == 16)]:
         seen.clear()
         for m in (1, 3, 4, 100, 128, 129, 300):
@@ -67,9 +67,9 @@ def test_rule_only_calls_allowed_row_counts() -> None:
 
 def test_invariant_linear_rows_do_not_depend_on_the_batch() -> None:
     """Both linear kernels of the engine, through the probe, at every batch size."""
-    w = torch.randn(96, 1536) * 0.05
+    w = torch.randn(96, 1536, generator=torch.Generator().manual_seed(6)) * 0.05
     packed = torch.ops.mkldnn._reorder_linear_weight(w)
-    x = torch.randn(40, 1536)
+    x = torch.randn(40, 1536, generator=torch.Generator().manual_seed(5))
     kernels = {"aten": lambda t: F.linear(t, w),
                "onednn": lambda t: torch.ops.mkldnn._linear_pointwise(t, packed, None, "none", [], "")}
     for kind, fn in kernels.items():
@@ -81,12 +81,12 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch() -> None:
 
 
 def test_tree_sum_ignores_appended_zero_slices() -> None:
-    x = torch.randn(3, 7, 5, dtype=torch.float32) * 1e3
+    x = torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(3)) * 1e3
     ref = _tree_sum(x, 1)
     for extra in range(1, 12):
         padded = torch.cat([x, torch.zeros(3, extra, 5)], dim=1)
         assert torch.equal(_tree_sum(padded, 1), ref)
-    torch.testing.assert_close(ref, x.double().sum(1).float())
+    torch.testing.assert_close(ref, x.double().sum(1).float(), rtol=1e-5, atol=1e-3)
 
 
 def _attention_case(group: int, seed: int = 0):
