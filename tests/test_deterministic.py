@@ -4,6 +4,7 @@ whatever shares its batches, however its prefill is chunked, and whether its pre
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,6 +12,13 @@ import torch
 
 from servelm.entrypoints.engine import Engine
 from servelm.layers import batch_invariant
+
+
+@pytest.fixture(autouse=True)
+def _switch_off_afterwards() -> Iterator[None]:
+    # The switch is process-wide: never leave it on for the test modules that run after this one.
+    yield
+    batch_invariant.set_batch_invariant(False)
 
 
 def _gen(engine: Engine, prompts: list[list[int]], params: dict) -> list[dict[str, Any]]:
