@@ -94,6 +94,7 @@ class PagedAttention(nn.Module):
 # heads per KV head of SmolLM2 is therefore padded to 4 rows).
 KV_CHUNK = 64
 ATTENTION_PROBE_ROWS = 2048
+PREFILL_SLAB_TOKENS = 4 * KV_CHUNK
 
 
 def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -120,9 +121,10 @@ def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     padding). Returns fp32 [Hkv, B, R, D]. Each row's result depends only on
     its own query, its request's keys and its position.
     """
-    # q is broadcast over the chunks: one [R, D] x [D, C] product per (head, request, chunk).
-    scores = torch.matmul(q.unsqueeze(2), keys.transpose(-1, -2)).float()  # [Hkv, B, nch, R, C]
-    scores.mul_(scale).masked_fill_(mask, float("-inf"))
+    # q is broadcast over the chunks: one [R, D] x [D, C] product per (head, request, chunk). The
+    # scale goes on q (exact per element either way; q is much smaller than the scores).
+    scores = torch.matmul((q * scale).unsqueeze(2), keys.transpose(-1, -2)).float()  # [Hkv, B, nch, R, C]
+    scores.masked_fill_(mask, float("-inf"))
     scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()
     denom = _tree_sum(scores.sum(-1), 2)  # [Hkv, B, R]
     numer = _tree_sum(torch.matmul(scores.to(values.dtype), values).float(), 2)  # [Hkv, B, R, D]
@@ -137,9 +139,11 @@ class _Unit:
     B: int
     n: int
     rows: int  # padded rows per request (>= n * group)
-    slots: torch.Tensor  # [B * nch * C] KV slots, padded with the request's first slot
+    rows_index: torch.Tensor  # [Hkv * B * nch * C] rows of the cache viewed as [slots * Hkv, D]; padding
+    # positions repeat the request's first slot
     nch: int
     mask: torch.Tensor  # [1, B, nch, rows, C]
+    first: int | None  # when `tokens` is the contiguous range [first, first + B*n): a view, not a gather
 
 
 def _probe_attention(head_dim: int, dtype: torch.dtype, device: torch.device) -> RowRule:
@@ -173,20 +177,29 @@ class BatchInvariantAttention(nn.Module):
         """q: [T, H, D] (this step's tokens; their K/V already in the cache) -> [T, H*D]."""
         units = self._plan(fb, q.dtype, q.device)
         Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
-        out = q.new_empty(q.shape[0], self.num_heads * D)
+        T = q.shape[0]
+        out = None
         for u in units:
             # [B*n, H, D] -> [Hkv, B, n*g, D], rows padded with zero queries
-            qu = q.index_select(0, u.tokens).view(u.B, u.n, Hkv, g, D).permute(2, 0, 1, 3, 4)
+            qu = q.narrow(0, u.first, u.B * u.n) if u.first is not None else q.index_select(0, u.tokens)
+            qu = qu.view(u.B, u.n, Hkv, g, D).permute(2, 0, 1, 3, 4)
             qu = qu.reshape(Hkv, u.B, u.n * g, D)
             if u.rows > u.n * g:
                 qu = torch.cat([qu, qu.new_zeros(Hkv, u.B, u.rows - u.n * g, D)], dim=2)
-            # [B*nch*C, Hkv, D] -> [Hkv, B, nch, C, D]
-            keys = k_cache.index_select(0, u.slots).view(u.B, u.nch, KV_CHUNK, Hkv, D).permute(3, 0, 1, 2, 4)
-            values = v_cache.index_select(0, u.slots).view(u.B, u.nch, KV_CHUNK, Hkv, D).permute(3, 0, 1, 2, 4)
-            o = attend_chunks(qu, keys.contiguous(), values.contiguous(), u.mask, self.scale)
+            # Gathered straight into [Hkv, B, nch, C, D] from the cache seen as [slots * Hkv, D] rows: 2.4x
+            # faster than gathering [B*nch*C, Hkv, D] and permuting (measured at batch 64).
+            keys = k_cache.view(-1, D).index_select(0, u.rows_index).view(Hkv, u.B, u.nch, KV_CHUNK, D)
+            values = v_cache.view(-1, D).index_select(0, u.rows_index).view(Hkv, u.B, u.nch, KV_CHUNK, D)
+            o = attend_chunks(qu, keys, values, u.mask, self.scale)
             # [Hkv, B, rows, D] -> [B*n, H*D]
             o = o[:, :, : u.n * g].reshape(Hkv, u.B, u.n, g, D).permute(1, 2, 0, 3, 4)
-            out.index_copy_(0, u.tokens, o.reshape(u.B * u.n, -1).to(out.dtype))
+            o = o.reshape(u.B * u.n, -1).to(q.dtype)
+            if u.first == 0 and u.B * u.n == T:
+                return o  # one unit covering the whole step (pure decode, or one prefill chunk)
+            if out is None:
+                out = q.new_empty(T, self.num_heads * D)
+            out.index_copy_(0, u.tokens, o)
+        assert out is not None
         return out
 
     def _plan(self, fb: ForwardBatch, dtype: torch.dtype, device: torch.device) -> list[_Unit]:
@@ -206,8 +219,10 @@ class BatchInvariantAttention(nn.Module):
         if decodes:
             units.append(self._unit([starts[i] for i in decodes], [fb.seq_lens[i] - 1 for i in decodes],
                                     [fb.kv_indices[i] for i in decodes], 1, rule, device))
-        # Longer extends in slabs of tokens whose rows fit the probed range (rows are independent).
-        per_slab = max(1, (rule.tile or rule.max_rows) // g)
+        # Longer extends in slabs of tokens (rows are independent): each slab's rows fit the probed range,
+        # and a slab only reads the chunks up to its last position, which skips most of the causal mask's
+        # upper triangle in a long prefill.
+        per_slab = max(1, min(PREFILL_SLAB_TOKENS, (rule.tile or rule.max_rows) // g))
         for i, n in enumerate(fb.extend_lens):
             if n == 1:
                 continue
@@ -231,11 +246,15 @@ class BatchInvariantAttention(nn.Module):
         for b, k in enumerate(kv):
             slots[b, : len(k)] = k
             slots[b, len(k):] = k[0]
-        tokens = (torch.tensor(starts, device=device)[:, None] + torch.arange(n, device=device)).view(-1)
+        flat = [s + i for s in starts for i in range(n)]
+        first = flat[0] if flat == list(range(flat[0], flat[0] + len(flat))) else None
+        tokens = torch.tensor(flat, dtype=torch.long, device=device)
         # Row (i, h) of request b holds token i: position first_pos[b] + i. Padding rows see key 0 only.
         pos = torch.zeros(B, rows, dtype=torch.long, device=device)
         pos[:, : n * g] = (torch.tensor(first_pos, device=device)[:, None]
                            + torch.arange(n, device=device)).repeat_interleave(g, dim=1)
         key_pos = torch.arange(nch * C, device=device).view(1, nch, 1, C)
         mask = (key_pos > pos.view(B, 1, rows, 1)).unsqueeze(0)
-        return _Unit(tokens, B, n, rows, slots.view(-1), nch, mask)
+        hkv = self.num_kv_heads
+        rows_index = (slots.view(1, -1) * hkv + torch.arange(hkv, device=device).view(hkv, 1)).view(-1)
+        return _Unit(tokens, B, n, rows, rows_index, nch, mask, first)
