@@ -170,3 +170,16 @@ def test_off_switch_keeps_the_fast_path() -> None:
     slots = torch.randperm(2048, generator=gen)[:20].tolist()
     _run(attn, cache, torch.randn(20, h, d, generator=gen), [20], [20], [slots])
     assert isinstance(attn.invariant, BatchInvariantAttention)
+
+
+def test_silu_and_mul_is_elementwise_invariant_unlike_f_silu() -> None:
+    batch_invariant.set_batch_invariant(True)
+    x = torch.randn(70000, generator=torch.Generator().manual_seed(8)) * 6
+    ones = torch.ones_like(x)
+    ref = batch_invariant.silu_and_mul(x, ones)
+    torch.testing.assert_close(ref, F.silu(x), rtol=1e-5, atol=1e-6)
+    for n in (1, 5, 17, 31, 33, 1001, 40001):
+        for off in (0, 7):
+            assert torch.equal(batch_invariant.silu_and_mul(x[off:off + n], ones[:n]), ref[off:off + n])
+    batch_invariant.set_batch_invariant(False)
+    assert torch.equal(batch_invariant.silu_and_mul(x, ones), F.silu(x))

@@ -34,10 +34,12 @@ how many there are, and where the row sits in the batch):
   handles the last `n % 32` elements of each contiguous run with scalar
   `std::exp`, which differs from the vector exp by an ulp. In the MLP the runs
   are rows of the intermediate size (1536 for SmolLM2, 128 for the tiny test
-  model, and multiples of 32 for every common model), and torch's thread split
-  of T * intermediate elements also lands on multiples of 32 there, so no
-  element takes the scalar path; a model with an intermediate size that is not
-  a multiple of 32 would need a tail-free silu.
+  model: multiples of 32) cut where torch splits T * intermediate elements
+  between threads; with 2 threads those cuts also land on multiples of 32, so
+  no element takes the scalar path here, but more threads (5+) or an
+  intermediate size that is not a multiple of 32 can. `silu_and_mul` below is
+  the tail-free form (x / (1 + exp(-x)): exact ops and VML exp), for the MLP
+  to use in this mode.
 * Embedding lookup, rotary (index_select of cached cos/sin, elementwise
   mul/add), residual adds, argmax, and the sampler's per-row Gumbel draws from
   a per-row generator: exact elementwise or per-row, hence invariant.
@@ -206,3 +208,16 @@ def invariant_linear(x: torch.Tensor, fn: RowFn, kind: str, out_features: int) -
                     linear_probe_rows(in_features, out_features), f"{kind} linear {in_features}->{out_features}")
     y = rule.apply(x2, fn)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up; in batch-invariant mode computed as gate / (1 + exp(-gate)) * up.
+
+    F.silu's scalar tail loop rounds differently from its vector body (see the
+    module docstring), so which elements it hits depends on the batch size and
+    thread split; this form uses only exactly rounded ops and VML's exp, which
+    is invariant per element (within 1e-6 of F.silu).
+    """
+    if not _ENABLED:
+        return torch.nn.functional.silu(gate) * up
+    return gate / (1 + torch.exp(-gate)) * up
