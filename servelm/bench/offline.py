@@ -54,4 +54,5 @@ def main(argv: list[str]) -> int:
         with open(ns.json, "a") as fh:
             fh.write(json.dumps({"bench": "offline", "num_prompts": ns.num_prompts, "input_len": ns.input_len,
                                  "output_len": ns.output_len, **res}) + "\n")
+    engine.shutdown()
     return 0

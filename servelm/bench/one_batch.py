@@ -112,4 +112,5 @@ def main(argv: list[str]) -> int:
             with open(ns.json, "a") as fh:
                 fh.write(json.dumps({"bench": "one-batch", "batch_size": bs, "input_len": ns.input_len,
                                      "output_len": ns.output_len, **res}) + "\n")
+    engine.shutdown()
     return 0
