@@ -92,6 +92,15 @@ class PagedAttention(nn.Module):
 # the number of query rows per matmul, which `RowRule` pads to a count probed
 # to be invariant (MKL's batched gemm here: any M >= 4; the group of 3 query
 # heads per KV head of SmolLM2 is therefore padded to 4 rows).
+#
+# Where the cost goes (SmolLM2-135M on this 2-core CPU, against the SDPA/matmul
+# fast path): decode reads the same K/V rows plus up to KV_CHUNK - 1 padding
+# keys per request and pads 3 query heads to 4 rows (+25-35% attention time
+# at batch 64, a few % of a step); each layer adds ~15 small ops, which is
+# most of the ~+3-4 ms per batch-1 decode step; prefill computes whole chunks
+# where SDPA skips the masked triangle (~2x attention FLOPs for a 600-token
+# prompt, +10-30% prefill time; +3% at 128 tokens). 32- and 128-key chunks
+# measured no better overall than 64.
 KV_CHUNK = 64
 ATTENTION_PROBE_ROWS = 2048
 PREFILL_SLAB_TOKENS = 4 * KV_CHUNK
@@ -122,7 +131,8 @@ def attend_chunks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     its own query, its request's keys and its position.
     """
     # q is broadcast over the chunks: one [R, D] x [D, C] product per (head, request, chunk). The
-    # scale goes on q (exact per element either way; q is much smaller than the scores).
+    # scale goes on q (an elementwise product rounds the same in every batch; q is much smaller
+    # than the scores).
     scores = torch.matmul((q * scale).unsqueeze(2), keys.transpose(-1, -2)).float()  # [Hkv, B, nch, R, C]
     scores.masked_fill_(mask, float("-inf"))
     scores.sub_(scores.amax(dim=(2, 4), keepdim=True)).exp_()
