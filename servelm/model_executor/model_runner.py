@@ -162,6 +162,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, gather_logits: bool = True) -> torch.Tensor:
+        # The switch is process-wide; set it per forward so two engines in one process each get theirs.
+        set_batch_invariant(self.server_args.enable_deterministic_inference)
         fb.kv_cache = self.kv_cache
         return self.model(fb, gather_logits=gather_logits)
 

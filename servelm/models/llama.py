@@ -9,11 +9,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from servelm.layers.attention import PagedAttention
+from servelm.layers.batch_invariant import silu_and_mul
 from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from servelm.layers.layernorm import RMSNorm
 from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -72,7 +72,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class LlamaDecoderLayer(nn.Module):
