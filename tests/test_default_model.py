@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
+from servelm.bench.common import load_hf_baseline
 from servelm.entrypoints.engine import Engine
-from servelm.model_loader.default_model import default_model_path
-from servelm.model_loader.source import load_model_source
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
@@ -24,12 +22,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def reference():
-    source = load_model_source(default_model_path())
-    model = transformers.LlamaForCausalLM(source.config).eval()
-    missing, unexpected = model.load_state_dict(dict(source.iter_weights(torch.float32)), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model
+    return load_hf_baseline(None)
 
 
 def test_greedy_32_tokens_match_transformers(engine, reference) -> None:

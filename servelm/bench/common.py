@@ -40,7 +40,8 @@ def median_of(runs: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]
 
 
 def load_hf_baseline(model_path: str | None) -> Any:
-    """transformers' own model class with the same weights (the GGUF dequantised by our loader)."""
+    """transformers' own model class with the same weights (a GGUF dequantised by our loader);
+    the reference of the benchmarks and of the default-model tests."""
     import transformers
 
     from servelm.model_executor.model_runner import resolve_model_path
@@ -49,7 +50,10 @@ def load_hf_baseline(model_path: str | None) -> Any:
     source = load_model_source(resolve_model_path(model_path))
     model_cls = getattr(transformers, source.config.architectures[0])
     model = model_cls(source.config).eval()
-    model.load_state_dict(dict(source.iter_weights(torch.float32)), strict=False)
+    missing, unexpected = model.load_state_dict(dict(source.iter_weights(torch.float32)), strict=False)
+    # A tied checkpoint has no lm_head.weight; anything else missing or left over is a mapping bug.
+    if unexpected or not set(missing) <= {"lm_head.weight"}:
+        raise ValueError(f"checkpoint does not fit {model_cls.__name__}: missing {missing}, unexpected {unexpected}")
     if getattr(source.config, "tie_word_embeddings", False):
         model.tie_weights()
     return model

@@ -95,7 +95,7 @@ logger = logging.getLogger("servelm.http_server")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 # A fault of ours, not of the request: the client gets a 503, not a 400.
 _INTERNAL = "internal"
-_DISCONNECT_POLL_S = 0.5
+_DISCONNECT_POLL_S = 0.05  # a hung-up client frees its KV within this much
 _SCHEDULER_STOP_TIMEOUT_S = 5.0
 
 

@@ -241,8 +241,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and not retracted and len(self.running) < self.config.max_running_requests:
             req = self.waiting[0]
-            if not req.admitted or req.num_computed == 0:
-                self._match_prefix(req)
+            # A waiting request holds no KV (retraction and failed admission release it): match afresh.
+            self._match_prefix(req)
             n = min(req.seq_len - req.num_computed, budget)
             if not self._ensure_pages(req, req.num_computed + n):
                 self._release(req)

@@ -87,6 +87,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
+        self.workers: Any = None  # rank 0: this node's other TP ranks (TPWorkers), set by the Scheduler
         set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
