@@ -84,6 +84,36 @@ def test_batched_decode_matches_single(tmp_path, default_tokenizer_dir) -> None:
             assert (batched[i] - expected).abs().max().item() < 1e-4
 
 
+def test_mixed_prefill_and_decode_step_matches_transformers(tmp_path, default_tokenizer_dir) -> None:
+    """One forward holding decodes (batched attention) between a fresh prefill and an extend on a prefix."""
+    folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "llama", std=0.1)
+    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=512))
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist() for n in (6, 11, 14, 3, 20)]
+    bases = [0, 100, 200, 300, 400]
+    cached = [5, 0, 10, 2, 8]  # tokens already in the cache: decodes (n - 1), a fresh prefill, extends
+    for ids, base, c in zip(seqs, bases, cached):
+        if c:
+            _run(runner, ids, 0, c, base)
+    input_ids, positions, out_loc, lens, kv, logits_rows = [], [], [], [], [], []
+    for ids, base, c in zip(seqs, bases, cached):
+        input_ids += ids[c:]
+        positions += list(range(c, len(ids)))
+        out_loc += [base + p for p in range(c, len(ids))]
+        lens.append(len(ids) - c)
+        kv.append([base + p for p in range(len(ids))])
+        logits_rows += list(range(len(logits_rows), len(logits_rows) + len(ids) - c))
+    fb = ForwardBatch.build(input_ids, positions, out_loc, lens, kv, logits_rows, runner.device)
+    assert fb.decode_reqs == [0, 3] and not fb.is_decode
+    got = runner.forward(fb)
+    row = 0
+    with torch.no_grad():
+        for ids, c in zip(seqs, cached):
+            expected = ref(torch.tensor([ids])).logits[0, c:]
+            assert (got[row:row + len(ids) - c] - expected).abs().max().item() < 1e-4
+            row += len(ids) - c
+
+
 def test_unsupported_architecture_is_named(tmp_path, default_tokenizer_dir) -> None:
     folder, _ = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "llama")
     cfg = (folder / "config.json").read_text().replace("LlamaForCausalLM", "GPTNeoXForCausalLM")

@@ -67,13 +67,17 @@ class ForwardBatch:
     kv_indices: list[torch.Tensor]  # per request, [seq_len]
     logits_indices: torch.Tensor  # [R] rows of the flat batch whose logits are needed
     kv_cache: KVCache | None = None
-    # Decode-only steps (every request adds one token) batch attention:
+    # Requests that add one token (decodes, also inside a mixed prefill + decode step) share one batched
+    # attention; row b of these is request decode_reqs[b], flat token decode_tokens[b]:
+    decode_reqs: list[int] = field(default_factory=list)
+    decode_tokens: torch.Tensor | None = None  # [B]; None when every request of the step is a decode
     decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with the row's first slot
     decode_bias: torch.Tensor | None = None  # [B, 1, 1, Lmax] fp32, 0 = attend, -inf = padding
 
     @property
     def is_decode(self) -> bool:
-        return self.decode_kv_index is not None
+        """Every request of the step adds one token."""
+        return self.decode_kv_index is not None and self.decode_tokens is None
 
     @classmethod
     def build(cls, input_ids: list[int], positions: list[int], out_cache_loc: list[int], extend_lens: list[int],
@@ -85,14 +89,21 @@ class ForwardBatch:
         fb = cls(input_ids=t(input_ids), positions=t(positions), out_cache_loc=t(out_cache_loc),
                  extend_lens=extend_lens, seq_lens=seq_lens, kv_indices=[t(k) for k in kv_indices],
                  logits_indices=t(logits_indices))
-        if all(n == 1 for n in extend_lens):
-            max_len = max(seq_lens)
-            index = torch.empty(len(seq_lens), max_len, dtype=torch.long, device=device)
-            for i, k in enumerate(fb.kv_indices):
-                index[i, : len(k)] = k
-                index[i, len(k):] = k[0]
-            lens = torch.tensor(seq_lens, device=device)
+        fb.decode_reqs = [i for i, n in enumerate(extend_lens) if n == 1]
+        if fb.decode_reqs:
+            if len(fb.decode_reqs) < len(extend_lens):
+                starts = [0]
+                for n in extend_lens[:-1]:
+                    starts.append(starts[-1] + n)
+                fb.decode_tokens = t([starts[i] for i in fb.decode_reqs])
+            lens = [seq_lens[i] for i in fb.decode_reqs]
+            max_len = max(lens)
+            index = torch.empty(len(lens), max_len, dtype=torch.long, device=device)
+            for b, i in enumerate(fb.decode_reqs):
+                k = fb.kv_indices[i]
+                index[b, : len(k)] = k
+                index[b, len(k):] = k[0]
             fb.decode_kv_index = index
-            pad = torch.arange(max_len, device=device)[None, :] >= lens[:, None]
+            pad = torch.arange(max_len, device=device)[None, :] >= t(lens)[:, None]
             fb.decode_bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None, :]
         return fb
