@@ -1,0 +1,43 @@
+"""`servelm bench one-batch` and `offline` on a tiny model: they run, count right, and compare with transformers.
+
+Nothing here asserts a speed; the figures only have to be consistent with what was generated.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from servelm.bench import offline, one_batch
+
+
+def test_one_batch_is_a_static_batch_with_a_profile(tiny_llama, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    folder, _ = tiny_llama
+    out = tmp_path / "rows.jsonl"
+    # 80 prompts of 24 tokens: more than the default running limit and step budget, raised by the bench.
+    assert one_batch.main(["--model-path", str(folder), "--batch-size", "1", "80", "--input-len", "24",
+                           "--output-len", "5", "--runs", "1", "--baseline", "hf", "--profile",
+                           "--max-total-tokens", "4096", "--json", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 80]
+    for r in rows:
+        assert r["prefill_s"] > 0 and r["decode_tok_s"] > 0 and r["hf_decode_tok_s"] > 0
+        assert r["decode_speedup"] == pytest.approx(r["decode_tok_s"] / r["hf_decode_tok_s"])
+    text = capsys.readouterr().out
+    assert "profile of 8 decode steps at batch 80" in text and "ms/step wall clock" in text
+    assert "_linear" in text or "aten::linear" in text or "aten::addmm" in text
+
+
+def test_offline_counts_every_output_token(tiny_llama, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, _ = tiny_llama
+    out = tmp_path / "rows.jsonl"
+    assert offline.main(["--model-path", str(folder), "--num-prompts", "6", "--input-len", "16",
+                         "--output-len", "7", "--range-ratio", "0.5", "--runs", "1", "--baseline", "hf",
+                         "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["output_tok_s"] == pytest.approx(6 * 7 / row["seconds"])
+    assert row["speedup"] == pytest.approx(row["output_tok_s"] / row["hf_output_tok_s"])
+    assert "6 prompts x 16 in / 7 out" in capsys.readouterr().out
