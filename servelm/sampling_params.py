@@ -38,6 +38,9 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
+    # Also score the prompt: the logprob (and top_logprobs alternatives) of each prompt token after the
+    # first, given the tokens before it (OpenAI completions' echo with logprobs; vLLM's prompt_logprobs).
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -126,6 +126,34 @@ def test_logprobs_match_transformers(engine, tiny_llama) -> None:
         assert top[0][0] == tok
 
 
+@pytest.mark.parametrize("chunk", [512, 7])
+def test_prompt_logprobs_match_transformers(tiny_llama, chunk: int) -> None:
+    """Every prompt token after the first is scored, also across prefill chunks, on a cached prefix (which
+    has no logits: it is recomputed) and with a penalty (prompt scores are raw)."""
+    folder, ref = tiny_llama
+    eng = Engine(model_path=str(folder), max_total_tokens=2048, chunked_prefill_size=chunk, page_size=4)
+    ps = _prompts(3, seed=11)
+    sp = {**GREEDY, "max_new_tokens": 3, "prompt_logprobs": True, "top_logprobs": 2, "repetition_penalty": 1.3}
+    eng.generate(input_ids=ps[0], sampling_params=GREEDY)  # ps[0] now sits in the prefix cache
+    outs = eng.generate(input_ids=ps + [ps[0][:1]], sampling_params=sp)
+    for ids, out in zip(ps, outs):
+        with torch.no_grad():
+            ref_lp = ref(torch.tensor([ids])).logits[0].log_softmax(-1)
+        lps, tops = out["prompt_logprobs"], out["prompt_top_logprobs"]
+        assert len(lps) == len(tops) == len(ids) and lps[0] is None and tops[0] is None
+        for p in range(1, len(ids)):
+            assert abs(lps[p] - ref_lp[p - 1, ids[p]].item()) < 1e-4
+            assert [t for t, _ in tops[p]] == ref_lp[p - 1].topk(2).indices.tolist()
+        assert "logprobs" not in out  # not asked for the completion
+    assert outs[-1]["prompt_logprobs"] == [None]  # a one-token prompt has nothing to score
+    # The sampled tokens do not change when the prompt is scored.
+    assert [o["output_ids"] for o in outs] == [
+        o["output_ids"] for o in eng.generate(input_ids=ps + [ps[0][:1]], sampling_params={
+            **sp, "prompt_logprobs": False})]
+    eng.scheduler.check_integrity()
+    assert eng.scheduler.in_use_pages() == 0
+
+
 def test_stop_strings_trimmed_and_min_tokens(engine) -> None:
     ids = _prompts(1, seed=10)[0]
     full = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 10})

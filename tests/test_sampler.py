@@ -68,3 +68,18 @@ def test_greedy_banned_ids_and_logprobs() -> None:
     # logprobs are of the raw distribution (before bans and penalties)
     assert abs(out.logprobs[0] - torch.log_softmax(logits, -1)[0, 2].item()) < 1e-6
     assert [t for t, _ in out.top_logprobs[0]] == [0, 2]
+
+
+def test_scoring_rows_report_the_given_token_next_to_sampled_rows() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(4))
+    raw = torch.log_softmax(logits, -1)
+    score = _row(temperature=0.8, top_logprobs=3, repetition_penalty=2.0, prompt=[5, 6])
+    score.target = 6
+    plain = _row(temperature=0)  # no logprobs asked
+    wide = _row(temperature=0, logprobs=True, top_logprobs=5)
+    out = sample(logits.clone(), [score, plain, wide])
+    assert out.token_ids == [6, int(logits[1].argmax()), int(logits[2].argmax())]
+    # A scoring row is raw (no penalty, no temperature) and has its own number of alternatives.
+    assert out.logprobs[0] == raw[0, 6].item() and out.logprobs[1] is None and out.top_logprobs[1] is None
+    assert [t for t, _ in out.top_logprobs[0]] == raw[0].topk(3).indices.tolist()
+    assert [t for t, _ in out.top_logprobs[2]] == raw[2].topk(5).indices.tolist()

@@ -154,16 +154,47 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
         assert tok.top_logprobs[0].token == tok.token and tok.top_logprobs[0].logprob == pytest.approx(tok.logprob)
 
 
-def test_completion_logprobs_and_echo(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=4, logprobs=2, echo=True,
-                                  **greedy())
-    lp = r.choices[0].logprobs
-    n_prompt = r.usage.prompt_tokens
-    assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[:n_prompt] == [None] * n_prompt
-    assert all(x is not None and x <= 0 for x in lp.token_logprobs[n_prompt:])
-    assert all(len(t) == 2 for t in lp.top_logprobs[n_prompt:])
-    assert "".join(lp.tokens) == r.choices[0].text
-    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len("Hello there")
+def test_completion_logprobs_and_echo(server: ServerProcess, client: openai.OpenAI, tiny_llama) -> None:
+    prompt = "Hello there, how are you today?"
+    ids = httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": prompt}).json()["tokens"]
+    _, ref = tiny_llama
+    import torch
+
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), -1)
+    expected = [ref_lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+    def check(lp, n_prompt: int) -> None:
+        # The echoed prompt is scored too (the first token has nothing before it), as by OpenAI and vLLM.
+        assert len(lp.tokens) == n_prompt + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:n_prompt] == pytest.approx(expected, abs=1e-4)
+        assert all(x is not None and x <= 0 for x in lp.token_logprobs[n_prompt:])
+        assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+        assert max(lp.top_logprobs[1].values()) == pytest.approx(ref_lp[0].max().item(), abs=1e-4)
+        assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(prompt)
+
+    # Twice: the second time the prompt is in the prefix cache, which has no logits, so it is recomputed.
+    for _ in range(2):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2, echo=True, **greedy())
+        assert r.usage.prompt_tokens == len(ids)
+        check(r.choices[0].logprobs, len(ids))
+        assert "".join(r.choices[0].logprobs.tokens) == r.choices[0].text
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2, echo=True,
+                                            stream=True, **greedy()))
+    lp = chunks[0].choices[0].logprobs
+    for c in chunks[1:]:
+        if c.choices and c.choices[0].logprobs:
+            for name in ("tokens", "token_logprobs", "top_logprobs"):
+                getattr(lp, name).extend(getattr(c.choices[0].logprobs, name))
+    check(lp, len(ids))
+    # The native API asks with sampling_params.prompt_logprobs.
+    native = httpx.post(f"{server.base_url}/generate", timeout=30, json={"input_ids": ids, "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "prompt_logprobs": True}}).json()["meta_info"]
+    assert native["input_token_logprobs"][0] is None
+    assert native["input_token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    # Without echo, only the completion is scored.
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2, **greedy())
+    assert len(plain.choices[0].logprobs.tokens) == 4
 
 
 def test_native_generate_tokenize_detokenize(server: ServerProcess) -> None:

@@ -18,7 +18,7 @@ from servelm.entrypoints.engine import Engine
 from tests.conftest import build_tiny_model
 from tests.server_fixtures import REPO_ROOT, free_port, start_server
 
-GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True}
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True, "prompt_logprobs": True}
 
 
 def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
@@ -47,6 +47,9 @@ def _assert_same(a: list[dict], b: list[dict]) -> None:
         assert x["output_ids"] == y["output_ids"]
         # logprob = logit - logsumexp(logits): a logit error shows up here.
         assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4
+        # Prompt scoring rows travel with the sampled ones (also through the LM-head all-to-all).
+        assert x["prompt_logprobs"][0] is None is y["prompt_logprobs"][0]
+        assert max(abs(p - q) for p, q in zip(x["prompt_logprobs"][1:], y["prompt_logprobs"][1:], strict=True)) < 1e-4
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

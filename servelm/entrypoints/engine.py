@@ -23,6 +23,8 @@ class _Result:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.top: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top: list[list[tuple[int, float]] | None] | None = None
         self.last: TokenOut | None = None
 
     def add(self, out: TokenOut) -> None:
@@ -30,6 +32,9 @@ class _Result:
         self.ids += out.token_ids
         self.logprobs += out.logprobs
         self.top += [[tuple(x) for x in t] for t in out.top_logprobs]
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_top = [None if t is None else [tuple(x) for x in t] for t in out.prompt_top_logprobs or []]
         self.last = out
 
     def as_dict(self, want_logprobs: bool) -> dict[str, Any]:
@@ -43,6 +48,9 @@ class _Result:
         if want_logprobs:
             d["logprobs"] = self.logprobs
             d["top_logprobs"] = self.top
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = self.prompt_logprobs
+            d["prompt_top_logprobs"] = self.prompt_top
         return d
 
 
@@ -125,6 +133,9 @@ class Engine:
                     done = out.finish_reason is not None
                     chunk: dict[str, Any] = {"text": out.text, "output_ids": out.token_ids,
                                              "finish_reason": out.finish_reason}
+                    if out.prompt_logprobs is not None:
+                        chunk["prompt_logprobs"] = out.prompt_logprobs
+                        chunk["prompt_top_logprobs"] = out.prompt_top_logprobs
                     if done:
                         chunk["usage"] = {"prompt_tokens": out.prompt_tokens,
                                           "completion_tokens": out.completion_tokens,

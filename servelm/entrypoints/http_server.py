@@ -191,8 +191,12 @@ class _Accumulated:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     def add(self, out: TokenOut) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
@@ -521,6 +525,8 @@ def build_app(state: ServerState) -> FastAPI:
             raise _bad(f"logprobs must be in [0, 20], got {k}", "logprobs")
         params = sampling_params(req, req.max_tokens, "max_tokens", [len(p) for p in prompts], "prompt",
                                  k is not None, k or 0)
+        # Echoed prompt tokens get their own logprobs (as with OpenAI's and vLLM's completions).
+        params.prompt_logprobs = bool(req.echo) and k is not None
         n = params.n
 
         def echo_text(index: int) -> str:
@@ -529,11 +535,13 @@ def build_app(state: ServerState) -> FastAPI:
             p = index // n
             return texts[p] if texts[p] is not None else manager.decode(prompts[p])  # type: ignore[return-value]
 
-        def logprobs_of(index: int, ids: list[int], lps: list[float], tops: list, offset: int,
-                        first: bool) -> CompletionLogprobs:
+        def logprobs_of(index: int, got: TokenOut | _Accumulated, offset: int, first: bool) -> CompletionLogprobs:
+            ids, lps, tops = got.token_ids, list(got.logprobs), list(got.top_logprobs)
             if req.echo and first:
                 p = prompts[index // n]
-                ids, lps, tops = p + ids, [None] * len(p) + lps, [None] * len(p) + tops
+                ids = p + ids
+                lps = list(got.prompt_logprobs or [None] * len(p)) + lps
+                tops = list(got.prompt_top_logprobs or [None] * len(p)) + tops
             return completion_logprobs(ids, lps, tops, offset)
 
         rid = req.rid or random_id("cmpl")
@@ -558,7 +566,7 @@ def build_app(state: ServerState) -> FastAPI:
                     continue
                 lp = None
                 if params.logprobs:
-                    lp = logprobs_of(index, out.token_ids, out.logprobs, out.top_logprobs, offsets[index], first)
+                    lp = logprobs_of(index, out, offsets[index], first)
                 offsets[index] += len(text)
                 yield _sse(CompletionResponse(id=rid, created=created, model=state.model_name, choices=[
                     CompletionChoice(index=index, text=text, logprobs=lp,
@@ -574,7 +582,7 @@ def build_app(state: ServerState) -> FastAPI:
             return result
         choices = []
         for i, acc in enumerate(result):
-            lp = logprobs_of(i, acc.token_ids, acc.logprobs, acc.top_logprobs, 0, True) if params.logprobs else None
+            lp = logprobs_of(i, acc, 0, True) if params.logprobs else None
             choices.append(CompletionChoice(index=i, text=echo_text(i) + "".join(acc.text), logprobs=lp,
                                             finish_reason=_finish_reason_str(acc.finish_reason),
                                             matched_stop=_matched(acc.finish_reason)))
@@ -620,7 +628,9 @@ def build_app(state: ServerState) -> FastAPI:
                     "completion_tokens": acc.completion_tokens or len(acc.token_ids),
                     "cached_tokens": acc.cached_tokens,
                     **({"output_token_logprobs": acc.logprobs, "output_top_logprobs": acc.top_logprobs}
-                       if params.logprobs else {})}
+                       if params.logprobs else {}),
+                    **({"input_token_logprobs": acc.prompt_logprobs, "input_top_logprobs": acc.prompt_top_logprobs}
+                       if params.prompt_logprobs else {})}
 
         def item(index: int, acc: _Accumulated) -> dict[str, Any]:
             return {"text": "".join(acc.text), "output_ids": acc.token_ids, "meta_info": meta(index, acc),

@@ -34,6 +34,13 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_new_tokens
+    # A scoring row (prompt logprobs): the token at `position` is given; report its raw logprob and the
+    # top alternatives instead of drawing one.
+    target: int | None = None
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.params.logprobs or self.target is not None
 
 
 @dataclass
@@ -48,6 +55,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
+        if row.target is not None:
+            continue
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
             if seen.numel():
@@ -82,13 +91,16 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: fp32 [R, V] (raw model output; modified in place)."""
-    want_logprobs = any(r.params.logprobs for r in rows)
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    scored = [r.wants_logprob for r in rows]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(scored) else None
     apply_penalties(logits, rows)
     tokens: list[int] = []
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    greedy = [i for i, r in enumerate(rows) if r.target is None and r.params.is_greedy]
     greedy_tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
     for i, row in enumerate(rows):
+        if row.target is not None:
+            tokens.append(row.target)
+            continue
         if i in greedy_tokens:
             tokens.append(greedy_tokens[i])
             continue
@@ -100,11 +112,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     out_lp: list[float | None] = [None] * len(rows)
     out_top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            if not row.params.logprobs:
-                continue
-            out_lp[i] = float(raw_logprobs[i, tokens[i]])
-            if row.params.top_logprobs:
-                vals, idx = torch.topk(raw_logprobs[i], row.params.top_logprobs)
-                out_top[i] = list(zip(idx.tolist(), vals.tolist()))
+        which = [i for i in range(len(rows)) if scored[i]]
+        index = torch.tensor(which, dtype=torch.long, device=raw_logprobs.device)
+        chosen = torch.tensor([tokens[i] for i in which], dtype=torch.long, device=raw_logprobs.device)
+        for i, lp in zip(which, raw_logprobs[index, chosen].tolist()):
+            out_lp[i] = lp
+        k = max(rows[i].params.top_logprobs for i in which)
+        if k:
+            vals, idx = torch.topk(raw_logprobs[index], k, dim=-1)
+            for i, v, t in zip(which, vals.tolist(), idx.tolist()):
+                n = rows[i].params.top_logprobs
+                if n:
+                    out_top[i] = list(zip(t[:n], v[:n]))
     return SampleOutput(tokens, out_lp, out_top)

@@ -69,6 +69,10 @@ class TokenOut:
     cached_tokens: int
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Once, in a request's first output, when it asked for prompt logprobs: one entry per prompt token,
+    # None for the first (nothing before it to condition on).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass

@@ -58,6 +58,17 @@ class Req:
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
     pending_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With params.prompt_logprobs: entry p scores prompt token p + 1 (kept across retraction), handed out once.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def prompt_positions_to_score(self) -> range:
+        """Prompt positions whose logits are still needed for prompt logprobs (empty when not asked)."""
+        if not self.params.prompt_logprobs:
+            return range(0)
+        return range(len(self.prompt_logprobs), len(self.prompt_ids) - 1)
 
     @property
     def all_ids(self) -> list[int]:
@@ -254,8 +265,12 @@ class Scheduler:
         return plan
 
     def _match_prefix(self, req: Req) -> None:
-        # The last token is never matched: it must be computed to get logits for the next one.
-        match = self.cache.match_prefix(req.all_ids[:-1])
+        # The last token is never matched: it must be computed to get logits for the next one. Nor is a
+        # prompt position still to be scored for prompt logprobs (a cached prefix has no logits).
+        limit = len(req.all_ids) - 1
+        if req.prompt_positions_to_score:
+            limit = min(limit, req.prompt_positions_to_score.start)
+        match = self.cache.match_prefix(req.all_ids[:limit])
         slots = match.slots
         self.cache.inc_lock_ref(match.node)
         req.node = match.node
@@ -278,21 +293,29 @@ class Scheduler:
         out_loc: list[int] = []
         kv_indices: list[list[int]] = []
         logits_rows: list[int] = []
-        sampled: list[Req] = []
+        rows: list[SamplingRow] = []
+        sampled: list[Req] = []  # one per row: the request whose row it is
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
             ids = req.all_ids
             new_slots = slots_for(req.pages, self.page_size, start, end)
             req.slots.extend(new_slots)
+            first_row = len(input_ids)
             input_ids.extend(ids[start:end])
             positions.extend(range(start, end))
             out_loc.extend(new_slots)
             kv_indices.append(req.slots)
+            todo = req.prompt_positions_to_score
+            for pos in range(max(start, todo.start), min(end, todo.stop)):
+                logits_rows.append(first_row + pos - start)
+                rows.append(SamplingRow(req.params, req.seed, req.sample_index, pos + 1, req.prompt_ids, [],
+                                        target=ids[pos + 1]))
+                sampled.append(req)
             if end == len(ids):
                 logits_rows.append(len(input_ids) - 1)
+                rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len, req.prompt_ids,
+                                        req.output_ids, self._banned_ids(req)))
                 sampled.append(req)
-        rows = [SamplingRow(r.params, r.seed, r.sample_index, r.seq_len, r.prompt_ids, r.output_ids,
-                            self._banned_ids(r)) for r in sampled]
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
         result = self.runner.execute(StepInput(input_ids, positions, out_loc, [n for _, n in plan], kv_indices,
                                                logits_rows, rows))
@@ -301,7 +324,11 @@ class Scheduler:
         outputs: list[TokenOut] = []
         if sampled:
             assert result is not None
-            for k, req in enumerate(sampled):
+            for k, (req, row) in enumerate(zip(sampled, rows)):
+                if row.target is not None:
+                    req.prompt_logprobs.append(result.logprobs[k])
+                    req.prompt_top.append(result.top_logprobs[k] or [])
+                    continue
                 self._append_token(req, result.token_ids[k], result.logprobs[k], result.top_logprobs[k])
                 if req.finish_reason is not None:
                     self.running.remove(req)
@@ -342,6 +369,9 @@ class Scheduler:
                        finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
                        completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
                        logprobs=req.pending_logprobs, top_logprobs=req.pending_top)
+        if req.params.prompt_logprobs and not req.prompt_logprobs_sent:
+            out.prompt_logprobs, out.prompt_top_logprobs = [None, *req.prompt_logprobs], [None, *req.prompt_top]
+            req.prompt_logprobs_sent = True
         req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
         return out
 

@@ -201,7 +201,7 @@ class ModelRunner:
         mine = lm_head_all_to_all(local)[:, : self.vocab_size]  # [R/tp, V]
         out = sample(mine, [rows[i] for i in my_rows(len(rows))])
         token_ids = gather_sampled_tokens(torch.tensor(out.token_ids, dtype=torch.long, device=self.device))
-        if not any(r.params.logprobs for r in rows):
+        if not any(r.wants_logprob for r in rows):
             return SampleOutput(token_ids.tolist(), [None] * len(rows), [None] * len(rows))
         parts: list[Any] = [None] * self.tp_size
         dist.all_gather_object(parts, (out.logprobs, out.top_logprobs), group=get_tp_group().cpu_group)
