@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -233,6 +233,31 @@ def _error_of(out: TokenOut | _Accumulated) -> ApiError | None:
     return _bad(str(reason["message"]))
 
 
+def _stream_error_event(err: ApiError) -> str:
+    return _sse(ErrorResponse(error=ErrorDetail(message=err.message, type=err.type, param=err.param, code=err.code)))
+
+
+async def _stream_events(group: RequestGroup, render: Callable[[int, TokenOut, _Accumulated], Iterator[str]],
+                         usage_event: Callable[[list[_Accumulated]], str] | None = None) -> AsyncIterator[str]:
+    """The SSE events of a streamed request group, one loop for every endpoint.
+
+    Each output is added to its sub-request's accumulator and handed to `render` (the endpoint's events for
+    it); a failed output becomes an error event instead. Then the usage event, if any, and [DONE].
+    """
+    accs = [_Accumulated() for _ in group.subs]
+    async for index, out in group.outputs():
+        accs[index].add(out)
+        err = _error_of(out)
+        if err is not None:
+            yield _stream_error_event(err)
+            continue
+        for event in render(index, out, accs[index]):
+            yield event
+    if usage_event is not None:
+        yield usage_event(accs)
+    yield _SSE_DONE
+
+
 async def _collect(group: RequestGroup, request: Request) -> list[_Accumulated]:
     """Wait for every output of the group; abort it (and raise _ClientGone) if the client hangs up."""
     accs = [_Accumulated() for _ in group.subs]
@@ -418,10 +443,6 @@ def build_app(state: ServerState) -> FastAPI:
                 raise err
         return accs
 
-    def stream_error_event(err: ApiError) -> str:
-        return _sse(ErrorResponse(error=ErrorDetail(message=err.message, type=err.type, param=err.param,
-                                                    code=err.code)))
-
     # ---------------------------------------------------- OpenAI API
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -460,20 +481,15 @@ def build_app(state: ServerState) -> FastAPI:
         group = submit([ids], params, rid, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def stream() -> AsyncIterator[str]:
+        def stream() -> AsyncIterator[str]:
             created = int(time.time())
             started: set[int] = set()
-            accs = [_Accumulated() for _ in group.subs]
 
-            def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-                return _sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices))
+            def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+                return _sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices,
+                                                usage=usage))
 
-            async for index, out in group.outputs():
-                accs[index].add(out)
-                err = _error_of(out)
-                if err is not None:
-                    yield stream_error_event(err)
-                    continue
+            def render(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
                 if index not in started:
                     started.add(index)
                     yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant",
@@ -484,10 +500,9 @@ def build_app(state: ServerState) -> FastAPI:
                         logprobs=chat_logprobs(out) if params.logprobs else None,
                         finish_reason=_finish_reason_str(out.finish_reason),
                         matched_stop=_matched(out.finish_reason))])
-            if include_usage:
-                yield _sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=[],
-                                               usage=_usage([len(ids)], accs, params.n)))
-            yield _SSE_DONE
+
+            return _stream_events(group, render, (lambda accs: chunk([], _usage([len(ids)], accs, params.n)))
+                                  if include_usage else None)
 
         result = await run_or_stream(group, request, stream() if req.stream else None)
         if not isinstance(result, list):
@@ -548,34 +563,29 @@ def build_app(state: ServerState) -> FastAPI:
         group = submit(prompts, params, rid, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def stream() -> AsyncIterator[str]:
+        def stream() -> AsyncIterator[str]:
             created = int(time.time())
-            accs = [_Accumulated() for _ in group.subs]
             sent_echo: set[int] = set()
             offsets = [0] * len(group.subs)
-            async for index, out in group.outputs():
-                accs[index].add(out)
-                err = _error_of(out)
-                if err is not None:
-                    yield stream_error_event(err)
-                    continue
+
+            def event(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+                return _sse(CompletionResponse(id=rid, created=created, model=state.model_name, choices=choices,
+                                               usage=usage))
+
+            def render(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
                 first = index not in sent_echo
                 sent_echo.add(index)
                 text = (echo_text(index) if first else "") + out.text
                 if not text and out.finish_reason is None and not out.logprobs:
-                    continue
-                lp = None
-                if params.logprobs:
-                    lp = logprobs_of(index, out, offsets[index], first)
+                    return
+                lp = logprobs_of(index, out, offsets[index], first) if params.logprobs else None
                 offsets[index] += len(text)
-                yield _sse(CompletionResponse(id=rid, created=created, model=state.model_name, choices=[
-                    CompletionChoice(index=index, text=text, logprobs=lp,
-                                     finish_reason=_finish_reason_str(out.finish_reason),
-                                     matched_stop=_matched(out.finish_reason))]))
-            if include_usage:
-                yield _sse(CompletionResponse(id=rid, created=created, model=state.model_name, choices=[],
-                                              usage=_usage([len(p) for p in prompts], accs, n)))
-            yield _SSE_DONE
+                yield event([CompletionChoice(index=index, text=text, logprobs=lp,
+                                              finish_reason=_finish_reason_str(out.finish_reason),
+                                              matched_stop=_matched(out.finish_reason))])
+
+            return _stream_events(group, render, (lambda accs: event([], _usage([len(p) for p in prompts], accs, n)))
+                                  if include_usage else None)
 
         result = await run_or_stream(group, request, stream() if req.stream else None)
         if not isinstance(result, list):
@@ -636,17 +646,9 @@ def build_app(state: ServerState) -> FastAPI:
             return {"text": "".join(acc.text), "output_ids": acc.token_ids, "meta_info": meta(index, acc),
                     "index": index}
 
-        async def stream() -> AsyncIterator[str]:
-            accs = [_Accumulated() for _ in group.subs]
-            async for index, out in group.outputs():
-                accs[index].add(out)
-                err = _error_of(out)
-                if err is not None:
-                    yield stream_error_event(err)
-                    continue
-                # Cumulative text per chunk, as SGLang's /generate streams it.
-                yield _sse(item(index, accs[index]))
-            yield _SSE_DONE
+        def stream() -> AsyncIterator[str]:
+            # Cumulative text per chunk, as SGLang's /generate streams it.
+            return _stream_events(group, lambda index, out, acc: iter([_sse(item(index, acc))]))
 
         result = await run_or_stream(group, request, stream() if req.stream else None)
         if not isinstance(result, list):
