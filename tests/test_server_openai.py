@@ -408,3 +408,20 @@ def test_bench_serving(server: ServerProcess, tiny_llama: tuple[Path, object], t
         assert 16 * 8 <= record["total_input_tokens"] <= 32 * 8
     else:
         assert record["total_output_tokens"] == 6 * 4 and record["total_input_tokens"] == 6 * 72
+
+
+def test_bench_serving_flush_cache(server: ServerProcess, tiny_llama: tuple[Path, object]) -> None:
+    """The same seed twice hits the prefix cache; --flush-cache makes the second run start cold."""
+    from servelm.bench import serving
+
+    argv = ["--base-url", server.base_url, "--tokenizer", str(tiny_llama[0]), "--num-prompts", "4",
+            "--random-input-len", "24", "--random-output-len", "2", "--seed", "77"]
+
+    def cached_during(extra: list[str]) -> int:
+        before = server_info(server)["cached_tokens_total"]
+        assert serving.main(argv + extra) == 0
+        return server_info(server)["cached_tokens_total"] - before
+
+    cached_during(["--flush-cache"])
+    assert cached_during([]) >= 4 * 20  # the prompts again: nearly all cached
+    assert cached_during(["--flush-cache"]) == 0

@@ -235,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight.")
     p.add_argument("--warmup-requests", type=int, default=1, help="Unmeasured requests sent first.")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true",
+                   help="POST /flush_cache first, so prompts of an earlier run with the same seed are not cache "
+                        "hits (servelm, SGLang).")
     p.add_argument("--output-file", default=None, help="Append one JSON line with the config and results.")
     return p
 
@@ -268,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         requests = shared_prefix_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                          args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, rng)
+    if args.flush_cache:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        r = httpx.post(args.base_url.rstrip("/") + "/flush_cache", headers=headers, timeout=60)
+        if r.status_code != 200:
+            print(f"warning: /flush_cache answered {r.status_code}; the prefix cache was not flushed", file=sys.stderr)
     # Warm-up prompts are fresh random ones, so that they never seed the prefix cache being measured.
     warm = random_dataset(tokenizer, args.warmup_requests, 16, 8, 1.0, random.Random(args.seed + 1))
     results, duration = asyncio.run(run_benchmark(
