@@ -62,6 +62,9 @@ def test_bfloat16_runs_close_to_float32(tmp_path, default_tokenizer_dir) -> None
     assert got.dtype == torch.float32
     # bf16 keeps ~3 significant digits: compare relative to the logits' scale.
     assert (got - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+    # Decode steps on a bf16 KV cache too.
+    stepped = torch.cat([_run(runner, ids, 0, 25, 100)] + [_run(runner, ids, p, p + 1, 100) for p in range(25, 30)])
+    assert (stepped - expected).abs().max().item() < 0.05 * expected.abs().max().item()
 
 
 def test_batched_decode_matches_single(tmp_path, default_tokenizer_dir) -> None:

@@ -71,7 +71,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [B, H, D] of the step's one-token requests (fb.decode_reqs) -> [B, H*D]."""
-        rows, bias = self._decode_plan(fb)
+        rows, bias = self._decode_plan(fb, q.dtype)
         Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
         B, L = fb.decode_kv_index.shape
         # Gathered straight into head-major [Hkv * B, L, D] from the cache seen as [slots * Hkv, D] rows, so
@@ -86,9 +86,10 @@ class PagedAttention(nn.Module):
         out = torch.bmm(probs, values)  # [Hkv * B, group, D]
         return out.view(Hkv, B, g * D).transpose(0, 1).reshape(B, self.num_heads * D)
 
-    def _decode_plan(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cache rows to gather ([Hkv * B * L], head-major) and the padding bias, once per forward."""
-        key = (self.num_kv_heads, self.group)
+    def _decode_plan(self, fb: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache rows to gather ([Hkv * B * L], head-major) and the padding bias (0 or -inf, in the scores'
+        dtype as baddbmm needs), once per forward."""
+        key = (self.num_kv_heads, self.group, dtype)
         cached = getattr(fb, "_decode_attention_plan", None)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -98,6 +99,7 @@ class PagedAttention(nn.Module):
         heads = torch.arange(hkv, device=fb.decode_kv_index.device).view(hkv, 1)
         rows = (fb.decode_kv_index.view(1, -1) * hkv + heads).view(-1)
         bias = fb.decode_bias.view(1, B, 1, L).expand(hkv, B, self.group, L).reshape(hkv * B, self.group, L)
+        bias = bias.to(dtype)
         plan = (rows, bias)
         setattr(fb, "_decode_attention_plan", (key, plan))  # noqa: B010 - a per-forward cache
         return plan
