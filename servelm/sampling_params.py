@@ -41,6 +41,10 @@ class SamplingParams:
     # Also score the prompt: the logprob (and top_logprobs alternatives) of each prompt token after the
     # first, given the tokens before it (OpenAI completions' echo with logprobs; vLLM's prompt_logprobs).
     prompt_logprobs: bool = False
+    # Structured output, at most one: a JSON schema (as a JSON string) or a regular expression that the
+    # generated text must match (servelm.constrained).
+    json_schema: str | None = None
+    regex: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -79,6 +83,17 @@ class SamplingParams:
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
+        self.grammar()
+
+    def grammar(self) -> str | None:
+        """The llguidance grammar of json_schema / regex (None without one); SamplingParamsError if malformed."""
+        from servelm.constrained import grammar_of
+
+        try:
+            return grammar_of(self.json_schema, self.regex)
+        except ValueError as exc:
+            param, _, message = str(exc).partition(": ")
+            raise SamplingParamsError(param, f"{param}: {message}") from None
 
     @property
     def is_greedy(self) -> bool:

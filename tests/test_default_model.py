@@ -48,6 +48,19 @@ def test_default_model_answers_sensibly(engine) -> None:
     assert "Paris" in out["text"]
 
 
+def test_default_model_json_object_mode(engine) -> None:
+    """response_format json_object's constraint on the real model: a JSON object that says what was asked."""
+    import json
+
+    tok = engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Describe the city of Paris as a JSON object "
+                                       "with keys name, country and population."}], tokenize=False,
+                                     add_generation_prompt=True)
+    out = engine.generate(prompt, {"max_new_tokens": 100, "temperature": 0, "json_schema": '{"type": "object"}'})
+    assert out["finish_reason"]["type"] == "stop"
+    assert json.loads(out["text"])["name"] == "Paris"
+
+
 def test_servelm_generate_prints_only_the_text(engine) -> None:
     import subprocess
     import sys

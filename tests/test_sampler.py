@@ -83,3 +83,23 @@ def test_scoring_rows_report_the_given_token_next_to_sampled_rows() -> None:
     assert out.logprobs[0] == raw[0, 6].item() and out.logprobs[1] is None and out.top_logprobs[1] is None
     assert [t for t, _ in out.top_logprobs[0]] == raw[0].topk(3).indices.tolist()
     assert [t for t, _ in out.top_logprobs[2]] == raw[2].topk(5).indices.tolist()
+
+
+def test_constraint_mask_limits_the_draw() -> None:
+    """Only tokens whose bit is set in the llguidance bitmask can be drawn, greedy or sampled."""
+    vocab = 70
+    allowed = {3, 40, 65}
+    words = [0] * 3
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    mask = torch.tensor(words, dtype=torch.int64).to(torch.int32).numpy().tobytes()
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5))
+    greedy = _row(temperature=0)
+    greedy.allowed = mask
+    assert sample(logits.clone(), [greedy]).token_ids == [max(allowed, key=lambda t: logits[0, t].item())]
+    seen = set()
+    for pos in range(200):
+        row = SamplingRow(SamplingParams(temperature=5.0), seed=1, sample_index=0, position=pos, prompt_ids=[1],
+                          output_ids=[], allowed=mask)
+        seen.add(sample(logits.clone(), [row]).token_ids[0])
+    assert seen == allowed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,6 +218,37 @@ def test_native_generate_tokenize_detokenize(server: ServerProcess) -> None:
     assert json.loads(events[-2])["text"] == r["text"]  # cumulative text
 
 
+# ------------------------------------------------------------ structured outputs
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["ok", "color"], "additionalProperties": False}
+
+
+def _follows_schema(text: str) -> bool:
+    obj = json.loads(text)
+    return set(obj) == {"ok", "color"} and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green", "blue")
+
+
+def test_structured_outputs(client: openai.OpenAI) -> None:
+    """Even a random model's output follows the schema or regex, and stops when the constraint is complete."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, response_format=fmt,
+                                       temperature=1.0, seed=5, n=3)
+    assert len(r.choices) == 3
+    for c in r.choices:
+        assert _follows_schema(c.message.content) and c.finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, response_format=fmt,
+                                                 stream=True, temperature=0))
+    assert _follows_schema("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices))
+    pattern = r"(yes|no)-[0-9]{2}"
+    r = client.completions.create(model="tiny", prompt="The answer is", max_tokens=16, temperature=1.0, seed=2,
+                                  n=4, extra_body={"regex": pattern})
+    for c in r.choices:
+        assert re.fullmatch(pattern, c.text) and c.finish_reason == "stop", c.text
+    # Without a constraint the same request is free text.
+    free = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, **greedy())
+    assert free.choices[0].finish_reason == "length"
+
+
 # ------------------------------------------------------------ bad input
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -255,6 +287,13 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [99_999_999]}, 400, "input_ids"),
     ("/generate", {"text": "hi", "sampling_params": {"top_p": float("inf")}}, 400, "sampling_params.top_p"),
     ("/v1/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    (CHAT, {"messages": MSG, "response_format": {"type": "xml"}}, 400, "response_format"),
+    (CMPL, {"prompt": "hi", "regex": "(ab"}, 400, "regex"),
+    (CMPL, {"prompt": "hi", "regex": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "sampling_params.json_schema"),
 ]
 
 

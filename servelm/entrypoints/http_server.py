@@ -70,6 +70,7 @@ from servelm.entrypoints.openai_protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    ResponseFormat,
     TokenizeRequest,
     TopLogprob,
     UsageInfo,
@@ -233,6 +234,17 @@ def _error_of(out: TokenOut | _Accumulated) -> ApiError | None:
     return _bad(str(reason["message"]))
 
 
+def _json_schema_of(fmt: ResponseFormat | None) -> str | None:
+    """The JSON schema (as a string) that OpenAI's response_format asks the output to follow, if any."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise _bad("response_format: type json_schema needs json_schema.schema", "response_format")
+    return json.dumps(fmt.json_schema.schema_)
+
+
 def _stream_error_event(err: ApiError) -> str:
     return _sse(ErrorResponse(error=ErrorDetail(message=err.message, type=err.type, param=err.param, code=err.code)))
 
@@ -380,16 +392,17 @@ def build_app(state: ServerState) -> FastAPI:
                               "top_logprobs": top_logprobs, "stop": req.stop or [],
                               "stop_token_ids": req.stop_token_ids or []}
         for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty"):
+                     "repetition_penalty", "regex"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
+        kw["json_schema"] = _json_schema_of(req.response_format)
         params = SamplingParams(**kw)
         try:
             params.validate(manager.vocab_size)
         except SamplingParamsError as exc:
-            param = max_tokens_param if exc.param == "max_tokens" else exc.param
-            raise _bad(str(exc).replace("max_tokens", param), param) from None
+            param = {"max_tokens": max_tokens_param, "json_schema": "response_format"}.get(exc.param, exc.param)
+            raise _bad(str(exc).replace(exc.param, param, 1), param) from None
         if ctx and longest + params.max_new_tokens > ctx:
             raise _bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
                        f"{longest + params.max_new_tokens} tokens ({longest} in the {prompt_param}, "

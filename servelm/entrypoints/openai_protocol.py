@@ -63,6 +63,20 @@ class ChatMessage(_Request):
         return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's structured-output switch: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Request):
     """Sampling fields shared by chat and completions requests."""
 
@@ -86,6 +100,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
     rid: str | None = None
+    response_format: ResponseFormat | None = None
+    regex: str | None = None  # SGLang/vLLM extension: the output matches this regular expression
 
 
 class ChatCompletionRequest(_SamplingFields):

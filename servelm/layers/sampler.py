@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from servelm.constrained import allowed_tokens
 from servelm.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -37,6 +38,8 @@ class SamplingRow:
     # A scoring row (prompt logprobs): the token at `position` is given; report its raw logprob and the
     # top alternatives instead of drawing one.
     target: int | None = None
+    # A constrained request's allowed next tokens, as llguidance's bitmask (servelm.constrained).
+    allowed: bytes | None = None
 
     @property
     def wants_logprob(self) -> bool:
@@ -51,7 +54,7 @@ class SampleOutput:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place, on the rows that ask for any penalty (HF/OpenAI semantics)."""
+    """In place: penalties (HF/OpenAI semantics), banned ids and the constraint mask of each row."""
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
@@ -68,6 +71,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if row.banned_ids:
             logits[i, torch.tensor(row.banned_ids, dtype=torch.long)] = float("-inf")
+        if row.allowed is not None:
+            logits[i].masked_fill_(~allowed_tokens(row.allowed, vocab).to(logits.device), float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

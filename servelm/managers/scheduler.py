@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from servelm.constrained import GrammarFactory
 from servelm.layers.sampler import SampleOutput, SamplingRow
 from servelm.managers.detokenizer import IncrementalDetokenizer
 from servelm.managers.io_struct import GenerateReq, TokenOut
@@ -62,6 +63,7 @@ class Req:
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    matcher: Any = None  # llguidance matcher of a constrained request (servelm.constrained), fed every token
 
     @property
     def prompt_positions_to_score(self) -> range:
@@ -108,6 +110,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._rng = random.Random(config.random_seed)
+        self.grammars = GrammarFactory(tokenizer, vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
                       "finished": 0, "aborted": 0}
 
@@ -158,8 +161,11 @@ class Scheduler:
             seed = self.config.random_seed
         else:
             seed = self._rng.getrandbits(63)
+        grammar = params.grammar()
+        matcher = self.grammars.matcher(grammar) if grammar is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
-        self.waiting.append(Req(req.rid, list(req.input_ids), params, seed, req.sample_index, req.stream, detok))
+        self.waiting.append(Req(req.rid, list(req.input_ids), params, seed, req.sample_index, req.stream, detok,
+                                matcher=matcher))
         self.stats["prompt_tokens"] += len(req.input_ids)
 
     def abort_request(self, rid: str) -> list[TokenOut]:
@@ -314,7 +320,8 @@ class Scheduler:
             if end == len(ids):
                 logits_rows.append(len(input_ids) - 1)
                 rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len, req.prompt_ids,
-                                        req.output_ids, self._banned_ids(req)))
+                                        req.output_ids, self._banned_ids(req),
+                                        allowed=req.matcher.compute_bitmask() if req.matcher is not None else None))
                 sampled.append(req)
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
         result = self.runner.execute(StepInput(input_ids, positions, out_loc, [n for _, n in plan], kv_indices,
@@ -350,7 +357,10 @@ class Scheduler:
             req.pending_logprobs.append(logprob)
             req.pending_top.append(top or [])
         self.stats["generation_tokens"] += 1
-        if token in p.stop_token_ids:
+        if req.matcher is not None and not req.matcher.consume_token(token) and token not in self.eos_token_ids:
+            req.finish_reason = {"type": "abort", "matched": None,
+                                 "message": f"constrained decoding failed: {req.matcher.get_error()}"}
+        elif token in p.stop_token_ids:
             req.finish_reason = {"type": "stop", "matched": token}
         elif not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = {"type": "stop", "matched": token}
@@ -360,6 +370,8 @@ class Scheduler:
                 req.finish_reason = {"type": "stop", "matched": stop_str}
             elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_context_len:
                 req.finish_reason = {"type": "length", "matched": None}
+            elif req.matcher is not None and req.matcher.is_stopped():
+                req.finish_reason = {"type": "stop", "matched": None}  # the constraint is complete
 
     def _make_out(self, req: Req) -> TokenOut:
         finished = req.finish_reason is not None

@@ -1,0 +1,79 @@
+"""Constrained decoding (structured outputs) with llguidance.
+
+A request may carry one constraint in its sampling params: `json_schema` (a
+JSON schema as a string; OpenAI's `response_format` maps onto it) or `regex`.
+The scheduler keeps one `LLMatcher` per request: before each draw it asks the
+matcher for the bitmask of allowed next tokens (sent with the sampling row,
+so it also reaches other TP ranks), and after the draw it feeds the token
+back. When the grammar can take no further token the request stops.
+
+llguidance is imported lazily: requests without a constraint never load it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+# Compact JSON with single spaces after separators: without a bound on whitespace a weak model can pad
+# forever between tokens of the grammar.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def grammar_of(json_schema: str | None, regex: str | None) -> str | None:
+    """The llguidance grammar of a request's constraint, or None when it has none.
+
+    Raises ValueError (naming the parameter) when the constraint is malformed.
+    """
+    if json_schema is None and regex is None:
+        return None
+    from llguidance import LLMatcher
+
+    if json_schema is not None and regex is not None:
+        raise ValueError("json_schema: give at most one of json_schema and regex")
+    if json_schema is not None:
+        try:
+            schema = json.loads(json_schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"json_schema: not valid JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema: a JSON schema must be a JSON object")
+        grammar, param = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "json_schema"
+    else:
+        grammar, param = LLMatcher.grammar_from_regex(regex), "regex"  # type: ignore[arg-type]
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"{param}: {error.strip().splitlines()[0]}")
+    return grammar
+
+
+class GrammarFactory:
+    """Matchers over one model's tokenizer (the llguidance tokenizer is built once, on first use)."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._ll_tokenizer: Any = None
+
+    def matcher(self, grammar: str) -> Any:
+        from llguidance import LLMatcher
+
+        if self._ll_tokenizer is None:
+            import llguidance.hf
+
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                              eos_token=self.eos_token_ids or None)
+        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the constraint cannot be used with this tokenizer: {matcher.get_error()}")
+        return matcher
+
+
+def allowed_tokens(bitmask: bytes, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask (bit j of 32-bit word w allows token 32 * w + j) -> bool [vocab_size]."""
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.view(-1)[:vocab_size].bool()
