@@ -7,15 +7,17 @@ matcher for the bitmask of allowed next tokens (sent with the sampling row,
 so it also reaches other TP ranks), and after the draw it feeds the token
 back. When the grammar can take no further token the request stops.
 
-llguidance is imported lazily: requests without a constraint never load it.
+llguidance is imported lazily: requests without a constraint never load it; nor does the API process
+import torch through this module (it only validates).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Compact JSON with single spaces after separators: without a bound on whitespace a weak model can pad
 # forever between tokens of the grammar.
@@ -74,6 +76,8 @@ class GrammarFactory:
 
 def allowed_tokens(bitmask: bytes, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask (bit j of 32-bit word w allows token 32 * w + j) -> bool [vocab_size]."""
+    import torch
+
     words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
     bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
     return bits.view(-1)[:vocab_size].bool()
