@@ -249,6 +249,55 @@ def test_structured_outputs(client: openai.OpenAI) -> None:
     assert free.choices[0].finish_reason == "length"
 
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}}
+
+
+def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
+    """A named function or tool_choice="required" is constrained decoding; the output comes back as tool calls."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER, TIME], tool_choice=named,
+                                       max_tokens=64, temperature=0)
+    msg = r.choices[0].message
+    assert msg.content is None and r.choices[0].finish_reason == "stop" and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call-")
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Oslo") and args["unit"] in ("C", "F")
+
+    r = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+                                       max_tokens=200, temperature=1.0, seed=3, n=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert (call.function.name, set(args)) in (("get_weather", {"city", "unit"}), ("get_time", {"utc"}))
+
+    # Streamed: the whole call arrives in one delta with the finish reason.
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice=named,
+                                                 max_tokens=64, temperature=0, stream=True))
+    deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and deltas[0].finish_reason == "stop"
+    assert deltas[0].delta.tool_calls[0].function.arguments == call_args(client, ask, named)
+
+    # The conversation goes on with the tool's result.
+    follow = ask + [{"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
+                    {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp": 21}'}]
+    r = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=4, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def call_args(client: openai.OpenAI, messages: list, choice: dict) -> str:
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice=choice,
+                                       max_tokens=64, temperature=0)
+    return r.choices[0].message.tool_calls[0].function.arguments
+
+
 # ------------------------------------------------------------ bad input
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
@@ -294,6 +343,13 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "regex": "(ab"}, 400, "regex"),
     (CMPL, {"prompt": "hi", "regex": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "sampling_params.json_schema"),
+    (CHAT, {"messages": MSG, "tools": [WEATHER]}, 400, "tool_choice"),  # "auto" needs a tool-call parser
+    (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "auto"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "required",
+            "response_format": {"type": "json_object"}}, 400, "response_format"),
 ]
 
 

@@ -63,6 +63,7 @@ from servelm.entrypoints.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     ErrorDetail,
     ErrorResponse,
@@ -72,10 +73,12 @@ from servelm.entrypoints.openai_protocol import (
     PromptTokensDetails,
     ResponseFormat,
     TokenizeRequest,
+    ToolCall,
     TopLogprob,
     UsageInfo,
     random_id,
 )
+from servelm.entrypoints.tool_calls import plan_tool_calls
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import (
@@ -378,7 +381,8 @@ def build_app(state: ServerState) -> FastAPI:
                 raise _bad(f"{param}: token id {t} at position {pos} is out of range [0, {vocab})", param)
 
     def sampling_params(req: Any, max_tokens: int | None, max_tokens_param: str, prompt_lens: list[int],
-                        prompt_param: str, logprobs: bool, top_logprobs: int) -> SamplingParams:
+                        prompt_param: str, logprobs: bool, top_logprobs: int,
+                        json_schema: str | None = None) -> SamplingParams:
         ctx = manager.context_length
         longest = max(prompt_lens)
         if ctx and longest >= ctx:
@@ -396,7 +400,7 @@ def build_app(state: ServerState) -> FastAPI:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
-        kw["json_schema"] = _json_schema_of(req.response_format)
+        kw["json_schema"] = json_schema if json_schema is not None else _json_schema_of(req.response_format)
         params = SamplingParams(**kw)
         try:
             params.validate(manager.vocab_size)
@@ -479,9 +483,18 @@ def build_app(state: ServerState) -> FastAPI:
             raise _bad("messages must be a non-empty list of messages", "messages")
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            ids = manager.chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message)
+            tools = plan_tool_calls(req.tools, req.tool_choice)
+        except ValueError as exc:
+            raise _bad(str(exc), "tool_choice") from None
+        if tools is not None and req.response_format is not None and req.response_format.type != "text":
+            raise _bad("response_format cannot be combined with a tool_choice that calls a tool", "response_format")
+        messages = [{"role": m.role, "content": m.text(),
+                     **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+                    for m in req.messages]
+        try:
+            ids = manager.chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
+                                          [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
         except Exception as exc:  # jinja errors (e.g. roles out of order) are the request's fault
             raise _bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
         check_ids(ids, "messages")
@@ -489,7 +502,12 @@ def build_app(state: ServerState) -> FastAPI:
         params = sampling_params(
             req, req.max_completion_tokens if use_completion_tokens else req.max_tokens,
             "max_completion_tokens" if use_completion_tokens else "max_tokens", [len(ids)], "messages",
-            req.logprobs, req.top_logprobs or 0)
+            req.logprobs, req.top_logprobs or 0, tools.json_schema() if tools is not None else None)
+
+        def tool_calls_of(acc: _Accumulated) -> tuple[list[ToolCall], str | None]:
+            assert tools is not None
+            calls = tools.calls("".join(acc.text))
+            return calls, tools.finish_reason(_finish_reason_str(acc.finish_reason), calls)
         rid = req.rid or random_id("chatcmpl")
         group = submit([ids], params, rid, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -507,7 +525,13 @@ def build_app(state: ServerState) -> FastAPI:
                     started.add(index)
                     yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant",
                                                                                               content=""))])
-                if out.text or out.finish_reason is not None or out.logprobs:
+                if tools is not None:
+                    if out.finish_reason is not None:  # the calls, whole, once the constrained output is done
+                        calls, finish = tool_calls_of(acc)
+                        yield chunk([ChatCompletionStreamChoice(
+                            index=index, finish_reason=finish, delta=DeltaMessage(tool_calls=[
+                                DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)]))])
+                elif out.text or out.finish_reason is not None or out.logprobs:
                     yield chunk([ChatCompletionStreamChoice(
                         index=index, delta=DeltaMessage(content=out.text or None),
                         logprobs=chat_logprobs(out) if params.logprobs else None,
@@ -520,11 +544,16 @@ def build_app(state: ServerState) -> FastAPI:
         result = await run_or_stream(group, request, stream() if req.stream else None)
         if not isinstance(result, list):
             return result
-        choices = [ChatCompletionChoice(
-            index=i, message=ChatResponseMessage(content="".join(acc.text)),
-            logprobs=chat_logprobs(acc) if params.logprobs else None,
-            finish_reason=_finish_reason_str(acc.finish_reason), matched_stop=_matched(acc.finish_reason))
-            for i, acc in enumerate(result)]
+        choices = []
+        for i, acc in enumerate(result):
+            message = ChatResponseMessage(content="".join(acc.text))
+            finish = _finish_reason_str(acc.finish_reason)
+            if tools is not None:
+                message.content = None
+                message.tool_calls, finish = tool_calls_of(acc)
+            choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
+                                                logprobs=chat_logprobs(acc) if params.logprobs else None,
+                                                matched_stop=_matched(acc.finish_reason)))
         return ChatCompletionResponse(id=rid, model=state.model_name, choices=choices,
                                       usage=_usage([len(ids)], result, params.n))
 
