@@ -284,6 +284,12 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
     assert len(deltas) == 1 and deltas[0].finish_reason == "stop"
     assert deltas[0].delta.tool_calls[0].function.arguments == call_args(client, ask, named)
 
+    # Cut off by max_tokens, a "required" list reads as no call: the text stays visible as the content.
+    cut = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice="required",
+                                         max_tokens=3, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content.startswith("[")
+
     # The conversation goes on with the tool's result.
     follow = ask + [{"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
                     {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp": 21}'}]

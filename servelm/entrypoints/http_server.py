@@ -504,10 +504,13 @@ def build_app(state: ServerState) -> FastAPI:
             "max_completion_tokens" if use_completion_tokens else "max_tokens", [len(ids)], "messages",
             req.logprobs, req.top_logprobs or 0, tools.json_schema() if tools is not None else None)
 
-        def tool_calls_of(acc: _Accumulated) -> tuple[list[ToolCall], str | None]:
+        def tool_calls_of(acc: _Accumulated) -> tuple[list[ToolCall], str | None, str | None]:
+            """(calls, finish reason, content): output that reads as no call (cut off by max_tokens) stays
+            visible as the content."""
             assert tools is not None
-            calls = tools.calls("".join(acc.text))
-            return calls, tools.finish_reason(_finish_reason_str(acc.finish_reason), calls)
+            text = "".join(acc.text)
+            calls = tools.calls(text)
+            return calls, tools.finish_reason(_finish_reason_str(acc.finish_reason), calls), None if calls else text
         rid = req.rid or random_id("chatcmpl")
         group = submit([ids], params, rid, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -527,10 +530,10 @@ def build_app(state: ServerState) -> FastAPI:
                                                                                               content=""))])
                 if tools is not None:
                     if out.finish_reason is not None:  # the calls, whole, once the constrained output is done
-                        calls, finish = tool_calls_of(acc)
+                        calls, finish, content = tool_calls_of(acc)
                         yield chunk([ChatCompletionStreamChoice(
-                            index=index, finish_reason=finish, delta=DeltaMessage(tool_calls=[
-                                DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)]))])
+                            index=index, finish_reason=finish, delta=DeltaMessage(content=content, tool_calls=[
+                                DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)] or None))])
                 elif out.text or out.finish_reason is not None or out.logprobs:
                     yield chunk([ChatCompletionStreamChoice(
                         index=index, delta=DeltaMessage(content=out.text or None),
@@ -549,8 +552,7 @@ def build_app(state: ServerState) -> FastAPI:
             message = ChatResponseMessage(content="".join(acc.text))
             finish = _finish_reason_str(acc.finish_reason)
             if tools is not None:
-                message.content = None
-                message.tool_calls, finish = tool_calls_of(acc)
+                message.tool_calls, finish, message.content = tool_calls_of(acc)
             choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
                                                 logprobs=chat_logprobs(acc) if params.logprobs else None,
                                                 matched_stop=_matched(acc.finish_reason)))
