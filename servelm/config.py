@@ -45,6 +45,9 @@ class ServerArgs:
     max_queued_requests: int = _opt(256, "Requests waiting beyond this answer 429.")
     log_requests: bool = _opt(False, "Log every request and its output.")
     log_level: str = _opt("info", "Log level.", choices=["debug", "info", "warning", "error"])
+    tool_call_parser: str | None = _opt(None, "Read tool calls in the model's own format, which allows "
+                                        "tool_choice 'auto' (hermes: <tool_call>{...}</tool_call>, as Qwen2/3 "
+                                        "and Hermes models write them).", choices=["hermes"])
 
     # Memory and scheduling
     page_size: int = _opt(1, "Tokens per KV page.")

@@ -24,7 +24,7 @@ def server(tiny_llama: tuple[Path, object], tmp_path_factory: pytest.TempPathFac
     model_dir, _ = tiny_llama
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = start_server(["--model-path", str(model_dir), "--disable-torch-compile", "--max-total-tokens", "16384",
-                        "--served-model-name", "tiny"], log)
+                        "--served-model-name", "tiny", "--tool-call-parser", "hermes"], log)
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -298,6 +298,19 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
 
 
+def test_tool_choice_auto_reads_the_models_own_calls(client: openai.OpenAI) -> None:
+    """With --tool-call-parser hermes, auto leaves the model free; a random model writes no call, so its text
+    comes back as content, streamed or not (the parser itself is tested in test_tool_calls.py)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], max_tokens=12, **greedy())
+    msg = r.choices[0].message
+    assert not msg.tool_calls and msg.content and r.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice="auto",
+                                                 max_tokens=12, stream=True, **greedy()))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def call_args(client: openai.OpenAI, messages: list, choice: dict) -> str:
     r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], tool_choice=choice,
                                        max_tokens=64, temperature=0)
@@ -349,8 +362,7 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "regex": "(ab"}, 400, "regex"),
     (CMPL, {"prompt": "hi", "regex": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "sampling_params.json_schema"),
-    (CHAT, {"messages": MSG, "tools": [WEATHER]}, 400, "tool_choice"),  # "auto" needs a tool-call parser
-    (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "auto"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "sometimes"}, 400, "tool_choice"),
     (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      400, "tool_choice"),

@@ -78,7 +78,7 @@ from servelm.entrypoints.openai_protocol import (
     UsageInfo,
     random_id,
 )
-from servelm.entrypoints.tool_calls import plan_tool_calls
+from servelm.entrypoints.tool_calls import HermesStream, plan_tool_calls
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import (
@@ -484,7 +484,7 @@ def build_app(state: ServerState) -> FastAPI:
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
         try:
-            tools = plan_tool_calls(req.tools, req.tool_choice)
+            tools = plan_tool_calls(req.tools, req.tool_choice, args.tool_call_parser)
         except ValueError as exc:
             raise _bad(str(exc), "tool_choice") from None
         if tools is not None and req.response_format is not None and req.response_format.type != "text":
@@ -504,13 +504,15 @@ def build_app(state: ServerState) -> FastAPI:
             "max_completion_tokens" if use_completion_tokens else "max_tokens", [len(ids)], "messages",
             req.logprobs, req.top_logprobs or 0, tools.json_schema() if tools is not None else None)
 
-        def tool_calls_of(acc: _Accumulated) -> tuple[list[ToolCall], str | None, str | None]:
-            """(calls, finish reason, content): output that reads as no call (cut off by max_tokens) stays
-            visible as the content."""
+        def with_calls(content: str | None, calls: list[ToolCall], acc: _Accumulated
+                       ) -> tuple[list[ToolCall], str | None, str | None]:
             assert tools is not None
-            text = "".join(acc.text)
-            calls = tools.calls(text)
-            return calls, tools.finish_reason(_finish_reason_str(acc.finish_reason), calls), None if calls else text
+            return calls, tools.finish_reason(_finish_reason_str(acc.finish_reason), calls), content
+
+        def tool_calls_of(acc: _Accumulated) -> tuple[list[ToolCall], str | None, str | None]:
+            """(calls, finish reason, content) of a finished output."""
+            assert tools is not None
+            return with_calls(*tools.read("".join(acc.text)), acc)
         rid = req.rid or random_id("chatcmpl")
         group = submit([ids], params, rid, req.stream)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -518,10 +520,33 @@ def build_app(state: ServerState) -> FastAPI:
         def stream() -> AsyncIterator[str]:
             created = int(time.time())
             started: set[int] = set()
+            hermes: dict[int, HermesStream] = {}
 
             def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
                 return _sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices,
                                                 usage=usage))
+
+            def render_tool_calls(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
+                """Tool mode: the calls, whole, in one delta once the output is done. Under auto, the text
+                before the model starts a call streams as content."""
+                assert tools is not None
+                if tools.auto:
+                    parser = hermes.setdefault(index, HermesStream())
+                    content: str | None = parser.feed(out.text)
+                    if out.finish_reason is None:
+                        if content:
+                            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content))])
+                        return
+                    rest, found = parser.finish()
+                    calls, finish, rest = with_calls(rest, found, acc)
+                    content = (content or "") + (rest or "") or None
+                elif out.finish_reason is None:
+                    return
+                else:
+                    calls, finish, content = tool_calls_of(acc)
+                yield chunk([ChatCompletionStreamChoice(index=index, finish_reason=finish, delta=DeltaMessage(
+                    content=content,
+                    tool_calls=[DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)] or None))])
 
             def render(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
                 if index not in started:
@@ -529,11 +554,7 @@ def build_app(state: ServerState) -> FastAPI:
                     yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant",
                                                                                               content=""))])
                 if tools is not None:
-                    if out.finish_reason is not None:  # the calls, whole, once the constrained output is done
-                        calls, finish, content = tool_calls_of(acc)
-                        yield chunk([ChatCompletionStreamChoice(
-                            index=index, finish_reason=finish, delta=DeltaMessage(content=content, tool_calls=[
-                                DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)] or None))])
+                    yield from render_tool_calls(index, out, acc)
                 elif out.text or out.finish_reason is not None or out.logprobs:
                     yield chunk([ChatCompletionStreamChoice(
                         index=index, delta=DeltaMessage(content=out.text or None),

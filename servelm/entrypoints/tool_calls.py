@@ -1,55 +1,121 @@
-"""OpenAI tool calls (`tools` + `tool_choice`) through structured outputs, as vLLM does it.
+"""OpenAI tool calls (`tools` + `tool_choice`), as vLLM does them.
 
 A named function or `tool_choice="required"` turns into a JSON schema that the
 output must follow (servelm.constrained), so the call is well formed whatever
-the model; the text is then read back as tool calls. `"auto"` would need a
-parser for each model family's own tool-call format, which servelm does not
-have yet: it is refused with a message that says what to use instead.
+the model; the text is then read back as tool calls. `"auto"` lets the model
+choose, so its output is read with a parser for the model family's own format
+(`--tool-call-parser hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+as Qwen2/Qwen3 and Hermes models write it); without a parser it is refused with
+a message that says what to use instead.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from servelm.entrypoints.openai_protocol import ChatTool, FunctionCall, NamedToolChoice, ToolCall, random_id
 
-AUTO_UNSUPPORTED = ("tool_choice 'auto' (the default when tools are given) needs a parser for the model's own "
-                    "tool-call format, which servelm does not have yet; pass tool_choice 'required', a named "
+AUTO_UNSUPPORTED = ("tool_choice 'auto' (the default when tools are given) needs the server started with "
+                    "--tool-call-parser for the model's tool-call format; or pass tool_choice 'required', a named "
                     "function ({\"type\": \"function\", \"function\": {\"name\": ...}}) or 'none'")
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a finished output in the hermes format; a block that is not a JSON call with a
+    name (cut off, or malformed) stays in the content as it was written."""
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    last = 0
+    for m in _HERMES_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", obj.get("parameters", {}))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+        kept.append(text[last:m.start()])
+        last = m.end()
+        calls.append(ToolCall(id=random_id("call"), function=FunctionCall(
+            name=str(name), arguments=args if isinstance(args, str) else json.dumps(args))))
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else (text or None), calls
+
+
+@dataclass
+class HermesStream:
+    """Streams the text before the first `<tool_call>`; holds back anything that may start one."""
+
+    text: str = ""
+    sent: int = 0
+    in_call: bool = field(default=False)
+
+    def feed(self, delta: str) -> str:
+        """Add new output; return the content that can be sent now."""
+        self.text += delta
+        if self.in_call:
+            return ""
+        start = self.text.find(HERMES_OPEN, self.sent)
+        if start >= 0:
+            self.in_call = True
+            end = start
+        else:
+            end = len(self.text)
+            # A tail that is a prefix of "<tool_call>" waits for the next delta.
+            for k in range(min(len(HERMES_OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if HERMES_OPEN.startswith(self.text[-k:]):
+                    end = len(self.text) - k
+                    break
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """At the end: (the content not sent yet, the calls); everything unsent starts at the first call."""
+        return parse_hermes(self.text[self.sent:])
 
 
 @dataclass
 class ToolPlan:
-    """How a request's output becomes tool calls: one named function's arguments, or a list of calls."""
+    """How a request's output becomes tool calls: one named function's arguments, a list of calls, or
+    (auto) whatever calls the model wrote in its own format."""
 
-    schema: dict[str, Any]
+    schema: dict[str, Any] | None  # the constraint; None for auto
     named: str | None = None  # the forced function; None for "required" (a JSON list of {name, parameters})
 
-    def json_schema(self) -> str:
-        return json.dumps(self.schema)
+    @property
+    def auto(self) -> bool:
+        return self.schema is None
 
-    def calls(self, text: str) -> list[ToolCall]:
-        """The tool calls in a finished output (a truncated "required" list reads as no call)."""
+    def json_schema(self) -> str | None:
+        return None if self.schema is None else json.dumps(self.schema)
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished output. Output that reads as no call (a "required" list cut off by
+        max_tokens) stays visible as the content."""
+        if self.auto:
+            return parse_hermes(text)
         if self.named is not None:
-            return [ToolCall(id=random_id("call"), function=FunctionCall(name=self.named, arguments=text))]
+            return None, [ToolCall(id=random_id("call"), function=FunctionCall(name=self.named, arguments=text))]
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
-            return []
-        return [ToolCall(id=random_id("call"), function=FunctionCall(name=item["name"],
-                                                                     arguments=json.dumps(item["parameters"])))
-                for item in items]
+            return text, []
+        return None, [ToolCall(id=random_id("call"), function=FunctionCall(
+            name=item["name"], arguments=json.dumps(item["parameters"]))) for item in items]
 
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
-        # As vLLM: a forced (named) call finishes with "stop"; "required" with "tool_calls".
+        # As vLLM: a forced (named) call finishes with "stop"; "required" and auto with "tool_calls".
         if self.named is None and reason == "stop" and calls:
             return "tool_calls"
         return reason
 
 
-def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None) -> ToolPlan | None:
+def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
+                    parser: str | None = None) -> ToolPlan | None:
     """None when the output is free text; ValueError (about tool_choice) when the choice cannot be served."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -58,7 +124,9 @@ def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolCh
     if tool_choice == "none":
         return None
     if tool_choice in (None, "auto"):
-        raise ValueError(AUTO_UNSUPPORTED)
+        if parser is None:
+            raise ValueError(AUTO_UNSUPPORTED)
+        return ToolPlan(None)
     by_name = {t.function.name: t for t in tools}
     if isinstance(tool_choice, NamedToolChoice):
         tool = by_name.get(tool_choice.function.name)

@@ -1,0 +1,65 @@
+"""Tool-call planning and the hermes parser, without a model (the server tests drive them end to end)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from servelm.entrypoints.openai_protocol import ChatTool, NamedToolChoice
+from servelm.entrypoints.tool_calls import AUTO_UNSUPPORTED, HermesStream, parse_hermes, plan_tool_calls
+
+TOOLS = [ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})]
+TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call> Done.')
+
+
+def test_plans() -> None:
+    with pytest.raises(ValueError, match="--tool-call-parser") as exc:
+        plan_tool_calls(TOOLS, None)
+    assert str(exc.value) == AUTO_UNSUPPORTED
+    with pytest.raises(ValueError, match="needs tools"):
+        plan_tool_calls(None, "required")
+    with pytest.raises(ValueError, match="'g', which is not in tools"):
+        plan_tool_calls(TOOLS, NamedToolChoice.model_validate({"function": {"name": "g"}}))
+    assert plan_tool_calls(TOOLS, "none") is None and plan_tool_calls(None, None) is None
+    auto = plan_tool_calls(TOOLS, "auto", "hermes")
+    assert auto is not None and auto.auto and auto.json_schema() is None
+    named = plan_tool_calls(TOOLS, NamedToolChoice.model_validate({"function": {"name": "f"}}))
+    assert named is not None and named.read('{"a": 1}')[1][0].function.arguments == '{"a": 1}'
+    required = plan_tool_calls(TOOLS, "required")
+    assert required is not None and json.loads(required.json_schema())["minItems"] == 1
+    content, calls = required.read('[{"name": "f", "parameters": {"x": [1, 2]}}]')
+    assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("f", {"x": [1, 2]})]
+    assert required.read('[{"name": "f", "param') == ('[{"name": "f", "param', [])  # cut off: kept as text
+
+
+def test_parse_hermes() -> None:
+    content, calls = parse_hermes(TEXT)
+    assert content == "Let me check.  Done."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert len({c.id for c in calls}) == 2
+    assert parse_hermes("just text") == ("just text", [])
+    bad = 'x <tool_call>{"oops": 1}</tool_call>'  # not a call: left in the content as written
+    assert parse_hermes(bad) == (bad, [])
+    content, calls = parse_hermes('<tool_call>{"name": "f", "arguments": {"a": 1}}')  # cut before the close
+    assert content is None and calls[0].function.arguments == '{"a": 1}'
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_hermes_stream_never_leaks_a_call(seed: int) -> None:
+    """Fed in random pieces, the streamed content is exactly the text before the first call."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(TEXT)), 12))
+    pieces = [TEXT[a:b] for a, b in zip([0, *cuts], [*cuts, len(TEXT)])]
+    stream = HermesStream()
+    sent = "".join(stream.feed(p) for p in pieces)
+    assert sent == "Let me check. "
+    rest, calls = stream.finish()
+    assert rest == "Done." and [c.function.name for c in calls] == ["get_weather", "get_time"]
+    plain = HermesStream()
+    assert "".join(plain.feed(p) for p in ["a <tool", "_c", "x> b"]) == "a <tool_cx> b"
+    assert plain.finish() == (None, [])
