@@ -118,6 +118,32 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output() -> None:
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
+def test_running_request_shares_its_prefilled_prefix(page_size: int) -> None:
+    """A prompt's KV enters the prefix cache as soon as it is prefilled: a request arriving while the first
+    one still decodes reuses it (and the first one's duplicate of a racing prefix is freed)."""
+    s = make(page_size=page_size, chunked_prefill_size=8)
+    system = list(range(1, 30))
+    s.add_request(gen_req("a", system + [40], 50))
+    s.add_request(gen_req("twin", system + [41], 50))  # same step as "a": computes the prefix too
+    while any(r.num_computed < len(r.prompt_ids) for r in s.running) or s.waiting:
+        s.step()
+        s.check_integrity()
+    assert all(len(r.output_ids) < 50 for r in s.running)  # both still running
+    s.add_request(gen_req("b", system + [42, 43], 5))
+    out = {"a": [], "twin": [], "b": []}
+    cached = {}
+    while s.has_work():
+        for o in s.step():
+            out[o.rid] += o.token_ids
+            cached[o.rid] = o.cached_tokens
+        s.check_integrity()
+    assert cached["b"] == 29 // page_size * page_size
+    assert out["b"] == expected_output(system + [42, 43], 5)
+    assert out["a"] == expected_output(system + [40], 50) and out["twin"] == expected_output(system + [41], 50)
+    assert s.in_use_pages() == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_under_tiny_pool_keeps_outputs_correct(page_size: int) -> None:
     ps = prompts(8, seed=3, lo=10, hi=20)
     s = make(num_pages=60 // page_size + 2, page_size=page_size, chunked_prefill_size=64)

@@ -328,6 +328,8 @@ class Scheduler:
                                                logits_rows, rows))
         for req, n in plan:
             req.num_computed += n
+            if n > 1:
+                self._share_prefix(req)
         outputs: list[TokenOut] = []
         if sampled:
             assert result is not None
@@ -343,6 +345,15 @@ class Scheduler:
                 elif req.stream:
                     outputs.append(self._make_out(req))
         return outputs
+
+    def _share_prefix(self, req: Req) -> None:
+        """After a prefill chunk, put the request's KV so far in the prefix cache (as SGLang does), so
+        requests admitted while it still runs reuse it; the request keeps it locked. Pages it computed
+        twice (another request inserted the same prefix first) are freed and it reads the cached ones."""
+        res = self.cache.cache_unfinished_req(req.all_ids[:req.num_computed], req.slots, req.own_from, req.node)
+        req.node, req.own_from = res.node, len(res.slots)
+        req.slots = list(res.slots) + req.slots[len(res.slots):]
+        req.pages = [s // self.page_size for s in req.slots[:: self.page_size]]
 
     def _banned_ids(self, req: Req) -> list[int]:
         if len(req.output_ids) >= req.params.min_new_tokens:
