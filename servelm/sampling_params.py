@@ -89,11 +89,17 @@ class SamplingParams:
         """The llguidance grammar of json_schema / regex (None without one); SamplingParamsError if malformed."""
         from servelm.constrained import grammar_of
 
+        key = (self.json_schema, self.regex)
+        cached = self.__dict__.get("_grammar")  # validate() and the scheduler both ask: compile once
+        if cached is not None and cached[0] == key:
+            return cached[1]
         try:
-            return grammar_of(self.json_schema, self.regex)
+            grammar = grammar_of(self.json_schema, self.regex)
         except ValueError as exc:
             param, _, message = str(exc).partition(": ")
             raise SamplingParamsError(param, f"{param}: {message}") from None
+        self.__dict__["_grammar"] = (key, grammar)
+        return grammar
 
     @property
     def is_greedy(self) -> bool:

@@ -103,3 +103,15 @@ def test_constraint_mask_limits_the_draw() -> None:
                           output_ids=[], allowed=mask)
         seen.add(sample(logits.clone(), [row]).token_ids[0])
     assert seen == allowed
+
+
+def test_bans_never_empty_a_constraint() -> None:
+    """min_tokens bans EOS; where the grammar allows only EOS (or nothing else but banned tokens) it wins."""
+    logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(6))
+    only_eos = torch.tensor([1 << 2, 0], dtype=torch.int64).to(torch.int32).numpy().tobytes()  # token 2 only
+    row = _row(temperature=0)
+    row.allowed, row.banned_ids = only_eos, [2, 2]
+    assert sample(logits.clone(), [row]).token_ids == [2]
+    two = torch.tensor([(1 << 2) | (1 << 7), 0], dtype=torch.int64).to(torch.int32).numpy().tobytes()
+    row.allowed = two  # 2 and 7 allowed, 2 banned: 7
+    assert sample(logits.clone(), [row]).token_ids == [7]

@@ -193,6 +193,14 @@ def test_completion_logprobs_and_echo(server: ServerProcess, client: openai.Open
         "max_new_tokens": 2, "temperature": 0, "prompt_logprobs": True}}).json()["meta_info"]
     assert native["input_token_logprobs"][0] is None
     assert native["input_token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    events = []
+    with httpx.stream("POST", f"{server.base_url}/generate", timeout=30, json={
+            "input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0,
+                                                                "prompt_logprobs": True}}) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    with_prompt = [e for e in events if "input_token_logprobs" in e["meta_info"]]
+    assert len(events) == 3 and len(with_prompt) == 1  # sent once, not with every chunk
+    assert with_prompt[0]["meta_info"]["input_token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
     # Without echo, only the completion is scored.
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2, **greedy())
     assert len(plain.choices[0].logprobs.tokens) == 4
@@ -290,6 +298,12 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
     assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
     assert cut.choices[0].message.content.startswith("[")
 
+    # Streamed with logprobs: the final chunk carries those of every token of the call.
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice=named,
+                                                 max_tokens=64, temperature=0, stream=True, logprobs=True))
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert "".join(t.token for t in last.logprobs.content) == last.delta.tool_calls[0].function.arguments
+
     # The conversation goes on with the tool's result.
     follow = ask + [{"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
                     {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": '{"temp": 21}'}]
@@ -363,6 +377,10 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "regex": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "sampling_params.json_schema"),
     (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "sometimes"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, 400, "tools"),
+    (CHAT, {"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400, "messages"),
     (CHAT, {"messages": MSG, "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      400, "tool_choice"),

@@ -382,7 +382,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     def sampling_params(req: Any, max_tokens: int | None, max_tokens_param: str, prompt_lens: list[int],
                         prompt_param: str, logprobs: bool, top_logprobs: int,
-                        json_schema: str | None = None) -> SamplingParams:
+                        json_schema: str | None = None, schema_param: str = "response_format") -> SamplingParams:
+        """SamplingParams of an OpenAI request; `json_schema` (from `schema_param`) overrides response_format."""
         ctx = manager.context_length
         longest = max(prompt_lens)
         if ctx and longest >= ctx:
@@ -405,7 +406,7 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             params.validate(manager.vocab_size)
         except SamplingParamsError as exc:
-            param = {"max_tokens": max_tokens_param, "json_schema": "response_format"}.get(exc.param, exc.param)
+            param = {"max_tokens": max_tokens_param, "json_schema": schema_param}.get(exc.param, exc.param)
             raise _bad(str(exc).replace(exc.param, param, 1), param) from None
         if ctx and longest + params.max_new_tokens > ctx:
             raise _bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
@@ -492,6 +493,17 @@ def build_app(state: ServerState) -> FastAPI:
         messages = [{"role": m.role, "content": m.text(),
                      **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
                     for m in req.messages]
+        for m in messages:
+            # Templates write a call's arguments with `| tojson`: they get the object, not the JSON text the
+            # API carries (as vLLM does), or the model would see them encoded twice.
+            for call in m.get("tool_calls", []):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except json.JSONDecodeError:
+                        raise _bad(f"messages: tool call arguments are not valid JSON: {fn['arguments'][:80]}",
+                                   "messages") from None
         try:
             ids = manager.chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
                                           [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
@@ -502,7 +514,11 @@ def build_app(state: ServerState) -> FastAPI:
         params = sampling_params(
             req, req.max_completion_tokens if use_completion_tokens else req.max_tokens,
             "max_completion_tokens" if use_completion_tokens else "max_tokens", [len(ids)], "messages",
-            req.logprobs, req.top_logprobs or 0, tools.json_schema() if tools is not None else None)
+            req.logprobs, req.top_logprobs or 0, *((tools.json_schema(), "tools") if tools is not None else ()))
+
+        if tools is not None and tools.auto:
+            # Some tokenizers mark <tool_call> as special: keep such tokens in the text the parser reads.
+            params.skip_special_tokens = False
 
         def with_calls(content: str | None, calls: list[ToolCall], acc: _Accumulated
                        ) -> tuple[list[ToolCall], str | None, str | None]:
@@ -527,8 +543,8 @@ def build_app(state: ServerState) -> FastAPI:
                                                 usage=usage))
 
             def render_tool_calls(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
-                """Tool mode: the calls, whole, in one delta once the output is done. Under auto, the text
-                before the model starts a call streams as content."""
+                """Tool mode: the calls, whole, in one delta once the output is done (with the logprobs of all
+                its tokens, if asked). Under auto, the text before the model starts a call streams as content."""
                 assert tools is not None
                 if tools.auto:
                     parser = hermes.setdefault(index, HermesStream())
@@ -544,9 +560,10 @@ def build_app(state: ServerState) -> FastAPI:
                     return
                 else:
                     calls, finish, content = tool_calls_of(acc)
-                yield chunk([ChatCompletionStreamChoice(index=index, finish_reason=finish, delta=DeltaMessage(
-                    content=content,
-                    tool_calls=[DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)] or None))])
+                yield chunk([ChatCompletionStreamChoice(
+                    index=index, finish_reason=finish, logprobs=chat_logprobs(acc) if params.logprobs else None,
+                    delta=DeltaMessage(content=content, tool_calls=[
+                        DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)] or None))])
 
             def render(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
                 if index not in started:
@@ -697,7 +714,7 @@ def build_app(state: ServerState) -> FastAPI:
         rid = req.rid or uuid.uuid4().hex
         group = submit(prompts, params, rid, req.stream)
 
-        def meta(index: int, acc: _Accumulated) -> dict[str, Any]:
+        def meta(index: int, acc: _Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
             return {"id": group.subs[index].rid, "finish_reason": acc.finish_reason,
                     "prompt_tokens": acc.prompt_tokens or len(prompts[index // params.n]),
                     "completion_tokens": acc.completion_tokens or len(acc.token_ids),
@@ -705,15 +722,17 @@ def build_app(state: ServerState) -> FastAPI:
                     **({"output_token_logprobs": acc.logprobs, "output_top_logprobs": acc.top_logprobs}
                        if params.logprobs else {}),
                     **({"input_token_logprobs": acc.prompt_logprobs, "input_top_logprobs": acc.prompt_top_logprobs}
-                       if params.prompt_logprobs else {})}
+                       if params.prompt_logprobs and with_prompt_logprobs else {})}
 
-        def item(index: int, acc: _Accumulated) -> dict[str, Any]:
-            return {"text": "".join(acc.text), "output_ids": acc.token_ids, "meta_info": meta(index, acc),
-                    "index": index}
+        def item(index: int, acc: _Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
+            return {"text": "".join(acc.text), "output_ids": acc.token_ids, "index": index,
+                    "meta_info": meta(index, acc, with_prompt_logprobs)}
 
         def stream() -> AsyncIterator[str]:
             # Cumulative text per chunk, as SGLang's /generate streams it.
-            return _stream_events(group, lambda index, out, acc: iter([_sse(item(index, acc))]))
+            # The prompt's logprobs go once, in the event of the output that carried them.
+            return _stream_events(group, lambda index, out, acc: iter([
+                _sse(item(index, acc, with_prompt_logprobs=out.prompt_logprobs is not None))]))
 
         result = await run_or_stream(group, request, stream() if req.stream else None)
         if not isinstance(result, list):

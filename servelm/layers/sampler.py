@@ -69,10 +69,16 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
             counts = counts.to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        allowed = allowed_tokens(row.allowed, vocab).to(logits.device) if row.allowed is not None else None
         if row.banned_ids:
-            logits[i, torch.tensor(row.banned_ids, dtype=torch.long)] = float("-inf")
-        if row.allowed is not None:
-            logits[i].masked_fill_(~allowed_tokens(row.allowed, vocab).to(logits.device), float("-inf"))
+            banned = torch.tensor(sorted(set(row.banned_ids)), dtype=torch.long, device=logits.device)
+            if allowed is None:
+                logits[i, banned] = float("-inf")
+            elif allowed.sum() > allowed[banned].sum():
+                allowed[banned] = False
+            # else: the grammar allows only banned tokens (say EOS before min_tokens): the grammar wins.
+        if allowed is not None:
+            logits[i].masked_fill_(~allowed, float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -97,7 +103,11 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: fp32 [R, V] (raw model output; modified in place)."""
     scored = [r.wants_logprob for r in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(scored) else None
+    which = [i for i in range(len(rows)) if scored[i]]
+    # Only the rows that report logprobs (a scored prompt chunk has one row per token: no second copy).
+    raw_logprobs = None
+    if which:
+        raw_logprobs = torch.log_softmax(logits if len(which) == len(rows) else logits[which], dim=-1)
     apply_penalties(logits, rows)
     tokens: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.target is None and r.params.is_greedy]
@@ -117,14 +127,13 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     out_lp: list[float | None] = [None] * len(rows)
     out_top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     if raw_logprobs is not None:
-        which = [i for i in range(len(rows)) if scored[i]]
-        index = torch.tensor(which, dtype=torch.long, device=raw_logprobs.device)
+        rows_at = torch.arange(len(which), device=raw_logprobs.device)
         chosen = torch.tensor([tokens[i] for i in which], dtype=torch.long, device=raw_logprobs.device)
-        for i, lp in zip(which, raw_logprobs[index, chosen].tolist()):
+        for i, lp in zip(which, raw_logprobs[rows_at, chosen].tolist()):
             out_lp[i] = lp
         k = max(rows[i].params.top_logprobs for i in which)
         if k:
-            vals, idx = torch.topk(raw_logprobs[index], k, dim=-1)
+            vals, idx = torch.topk(raw_logprobs, k, dim=-1)
             for i, v, t in zip(which, vals.tolist(), idx.tolist()):
                 n = rows[i].params.top_logprobs
                 if n:

@@ -362,16 +362,18 @@ class Scheduler:
 
     def _append_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         p = req.params
+        if req.matcher is not None and not req.matcher.consume_token(token) and token not in self.eos_token_ids:
+            # Not reachable while the mask is applied; kept out of the output if it ever happens.
+            req.finish_reason = {"type": "abort", "matched": None,
+                                 "message": f"constrained decoding failed: {req.matcher.get_error()}"}
+            return
         req.output_ids.append(token)
         req.pending_ids.append(token)
         if logprob is not None:
             req.pending_logprobs.append(logprob)
             req.pending_top.append(top or [])
         self.stats["generation_tokens"] += 1
-        if req.matcher is not None and not req.matcher.consume_token(token) and token not in self.eos_token_ids:
-            req.finish_reason = {"type": "abort", "matched": None,
-                                 "message": f"constrained decoding failed: {req.matcher.get_error()}"}
-        elif token in p.stop_token_ids:
+        if token in p.stop_token_ids:
             req.finish_reason = {"type": "stop", "matched": token}
         elif not p.ignore_eos and token in self.eos_token_ids:
             req.finish_reason = {"type": "stop", "matched": token}
