@@ -45,12 +45,22 @@ class SamplingParams:
     # generated text must match (servelm.constrained).
     json_schema: str | None = None
     regex: str | None = None
+    # OpenAI's logit_bias: token id -> value added to its logit before sampling, in [-100, 100].
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        # JSON object keys are strings ("50256": -100): keep ids as ints; a bad key fails validation.
+        bias = {}
+        for key, value in dict(self.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except (TypeError, ValueError):
+                bias[key] = value
+        self.logit_bias = bias
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise SamplingParamsError on the first out-of-range field."""
@@ -83,6 +93,11 @@ class SamplingParams:
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
+        for token, value in self.logit_bias.items():
+            if not isinstance(token, int) or (vocab_size is not None and not 0 <= token < vocab_size):
+                bad("logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {token!r}")
+            if not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                bad("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
         self.grammar()
 
     def grammar(self) -> str | None:

@@ -115,3 +115,14 @@ def test_bans_never_empty_a_constraint() -> None:
     two = torch.tensor([(1 << 2) | (1 << 7), 0], dtype=torch.int64).to(torch.int32).numpy().tobytes()
     row.allowed = two  # 2 and 7 allowed, 2 banned: 7
     assert sample(logits.clone(), [row]).token_ids == [7]
+
+
+def test_logit_bias() -> None:
+    logits = torch.randn(1, 30, generator=torch.Generator().manual_seed(8))
+    top = int(logits.argmax())
+    other = (top + 1) % 30
+    up = _row(temperature=0, logit_bias={other: 100})
+    down = _row(temperature=0, logit_bias={str(top): -100})  # JSON keys arrive as strings
+    out = sample(logits.repeat(2, 1), [up, down])
+    assert out.token_ids[0] == other
+    assert out.token_ids[1] == int(logits[0].clone().index_fill_(0, torch.tensor([top]), -1e9).argmax())

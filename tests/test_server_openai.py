@@ -226,6 +226,16 @@ def test_native_generate_tokenize_detokenize(server: ServerProcess) -> None:
     assert json.loads(events[-2])["text"] == r["text"]  # cumulative text
 
 
+def test_logit_bias_steers_the_draw(server: ServerProcess, client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=3, logprobs=1, temperature=0,
+                                  logit_bias={"1000": 100})
+    text = httpx.post(f"{server.base_url}/v1/detokenize", json={"tokens": [1000]}).json()["prompt"]
+    assert r.choices[0].logprobs.tokens == [text] * 3
+    native = httpx.post(f"{server.base_url}/generate", timeout=30, json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "logit_bias": {"1000": 100}}}).json()
+    assert native["output_ids"] == [1000] * 3
+
+
 # ------------------------------------------------------------ structured outputs
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
           "required": ["ok", "color"], "additionalProperties": False}
@@ -377,6 +387,9 @@ BAD_REQUESTS = [
     (CMPL, {"prompt": "hi", "regex": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "sampling_params.json_schema"),
     (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "sometimes"}, 400, "tool_choice"),
+    (CHAT, {"messages": MSG, "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "hi", "logit_bias": {"five": 1}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}, 400, "tools"),
     (CHAT, {"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [

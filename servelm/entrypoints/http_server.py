@@ -397,7 +397,7 @@ def build_app(state: ServerState) -> FastAPI:
                               "top_logprobs": top_logprobs, "stop": req.stop or [],
                               "stop_token_ids": req.stop_token_ids or []}
         for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                     "repetition_penalty", "regex"):
+                     "repetition_penalty", "regex", "logit_bias"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value

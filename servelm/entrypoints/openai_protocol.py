@@ -125,6 +125,7 @@ class _SamplingFields(_Request):
     rid: str | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None  # SGLang/vLLM extension: the output matches this regular expression
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
 
 
 class ChatCompletionRequest(_SamplingFields):

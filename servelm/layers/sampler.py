@@ -54,7 +54,7 @@ class SampleOutput:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """In place: penalties (HF/OpenAI semantics), banned ids and the constraint mask of each row."""
+    """In place: penalties (HF/OpenAI semantics), logit_bias, banned ids and the constraint mask of each row."""
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
@@ -65,6 +65,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             if seen.numel():
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
             counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
             counts = counts.to(logits.dtype)
