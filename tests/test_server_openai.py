@@ -295,6 +295,10 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
             args = json.loads(call.function.arguments)
             assert (call.function.name, set(args)) in (("get_weather", {"city", "unit"}), ("get_time", {"utc"}))
 
+    r = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=4, n=3)
+    assert [len(c.message.tool_calls) for c in r.choices] == [1, 1, 1]
+
     # Streamed: the whole call arrives in one delta with the finish reason.
     chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice=named,
                                                  max_tokens=64, temperature=0, stream=True))
@@ -388,6 +392,7 @@ BAD_REQUESTS = [
     ("/generate", {"text": "hi", "sampling_params": {"json_schema": "{not json"}}, 400, "sampling_params.json_schema"),
     (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "sometimes"}, 400, "tool_choice"),
     (CHAT, {"messages": MSG, "logit_bias": {"99999999": 5}}, 400, "logit_bias"),
+    (CMPL, {"prompt": "hi", "suffix": "world"}, 400, "suffix"),
     (CMPL, {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
     (CMPL, {"prompt": "hi", "logit_bias": {"five": 1}}, 400, "logit_bias"),
     (CHAT, {"messages": MSG, "tool_choice": "required", "tools": [

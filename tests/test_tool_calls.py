@@ -34,6 +34,8 @@ def test_plans() -> None:
     assert content is None and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("f", {"x": [1, 2]})]
     assert required.read('[{"name": "f", "param') == ('[{"name": "f", "param', [])  # cut off: kept as text
+    single = plan_tool_calls(TOOLS, "required", parallel=False)
+    assert single is not None and json.loads(single.json_schema())["maxItems"] == 1
 
 
 def test_parse_hermes() -> None:

@@ -485,7 +485,8 @@ def build_app(state: ServerState) -> FastAPI:
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
         try:
-            tools = plan_tool_calls(req.tools, req.tool_choice, args.tool_call_parser)
+            tools = plan_tool_calls(req.tools, req.tool_choice, args.tool_call_parser,
+                                    parallel=req.parallel_tool_calls is not False)
         except ValueError as exc:
             raise _bad(str(exc), "tool_choice") from None
         if tools is not None and req.response_format is not None and req.response_format.type != "text":
@@ -600,6 +601,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
         check_model(req.model)
+        if req.suffix:
+            raise _bad("suffix is not supported (no fill-in-the-middle yet)", "suffix")
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [manager.encode(prompt)]

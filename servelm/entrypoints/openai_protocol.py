@@ -137,6 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
 
 
 class CompletionRequest(_SamplingFields):

@@ -115,7 +115,7 @@ class ToolPlan:
 
 
 def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
-                    parser: str | None = None) -> ToolPlan | None:
+                    parser: str | None = None, parallel: bool = True) -> ToolPlan | None:
     """None when the output is free text; ValueError (about tool_choice) when the choice cannot be served."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -139,4 +139,7 @@ def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolCh
                                     "parameters": tool.function.parameters or {"type": "object"}},
                      "required": ["name", "parameters"], "additionalProperties": False}
                     for name, tool in by_name.items()]
-    return ToolPlan({"type": "array", "minItems": 1, "items": {"anyOf": call_schemas}})
+    calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": call_schemas}}
+    if not parallel:
+        calls["maxItems"] = 1
+    return ToolPlan(calls)
