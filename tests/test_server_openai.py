@@ -309,7 +309,7 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
     # Cut off by max_tokens, a "required" list reads as no call: the text stays visible as the content.
     cut = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice="required",
                                          max_tokens=3, temperature=0)
-    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert cut.choices[0].message.content.startswith("[")
 
     # Streamed with logprobs: the final chunk carries those of every token of the call.
@@ -332,7 +332,7 @@ def test_tool_choice_auto_reads_the_models_own_calls(client: openai.OpenAI) -> N
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], max_tokens=12, **greedy())
     msg = r.choices[0].message
-    assert not msg.tool_calls and msg.content and r.choices[0].finish_reason == "length"
+    assert msg.tool_calls is None and msg.content and r.choices[0].finish_reason == "length"
     chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice="auto",
                                                  max_tokens=12, stream=True, **greedy()))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == msg.content

@@ -591,7 +591,8 @@ def build_app(state: ServerState) -> FastAPI:
             message = ChatResponseMessage(content="".join(acc.text))
             finish = _finish_reason_str(acc.finish_reason)
             if tools is not None:
-                message.tool_calls, finish, message.content = tool_calls_of(acc)
+                calls, finish, message.content = tool_calls_of(acc)
+                message.tool_calls = calls or None
             choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
                                                 logprobs=chat_logprobs(acc) if params.logprobs else None,
                                                 matched_stop=_matched(acc.finish_reason)))
