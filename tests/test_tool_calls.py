@@ -5,10 +5,17 @@ from __future__ import annotations
 import json
 import random
 
+import jinja2
 import pytest
 
-from servelm.entrypoints.openai_protocol import ChatTool, NamedToolChoice
-from servelm.entrypoints.tool_calls import AUTO_UNSUPPORTED, HermesStream, parse_hermes, plan_tool_calls
+from servelm.entrypoints.openai_protocol import ChatMessage, ChatTool, NamedToolChoice
+from servelm.entrypoints.tool_calls import (
+    AUTO_UNSUPPORTED,
+    HermesStream,
+    parse_hermes,
+    plan_tool_calls,
+    template_messages,
+)
 
 TOOLS = [ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})]
 TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -65,3 +72,26 @@ def test_hermes_stream_never_leaks_a_call(seed: int) -> None:
     plain = HermesStream()
     assert "".join(plain.feed(p) for p in ["a <tool", "_c", "x> b"]) == "a <tool_cx> b"
     assert plain.finish() == (None, [])
+
+
+def test_tool_history_reaches_templates_as_objects() -> None:
+    """A Qwen/Hermes-style template writes `arguments | tojson`: it must print the arguments once, not a
+    JSON string of JSON."""
+    template = jinja2.Environment().from_string(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}<tool_call>"
+        "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>"
+        "{% endfor %}{% endfor %}")
+    history = [ChatMessage.model_validate(m) for m in (
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "21C"})]
+    messages = template_messages(history)
+    assert messages[2] == {"role": "tool", "content": "21C", "tool_call_id": "c1"}
+    rendered = template.render(messages=messages)
+    assert rendered == '<tool_call>{"arguments": {"city": "Paris"}, "name": "w"}</tool_call>'  # tojson sorts keys
+    assert [c.function.arguments for c in parse_hermes(rendered)[1]] == ['{"city": "Paris"}']  # round trip
+    bad = history[:1] + [ChatMessage.model_validate({"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "w", "arguments": "{oops"}}]})]
+    with pytest.raises(ValueError, match="not valid JSON"):
+        template_messages(bad)

@@ -78,7 +78,7 @@ from servelm.entrypoints.openai_protocol import (
     UsageInfo,
     random_id,
 )
-from servelm.entrypoints.tool_calls import HermesStream, plan_tool_calls
+from servelm.entrypoints.tool_calls import HermesStream, plan_tool_calls, template_messages
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import (
@@ -491,20 +491,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise _bad(str(exc), "tool_choice") from None
         if tools is not None and req.response_format is not None and req.response_format.type != "text":
             raise _bad("response_format cannot be combined with a tool_choice that calls a tool", "response_format")
-        messages = [{"role": m.role, "content": m.text(),
-                     **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
-                    for m in req.messages]
-        for m in messages:
-            # Templates write a call's arguments with `| tojson`: they get the object, not the JSON text the
-            # API carries (as vLLM does), or the model would see them encoded twice.
-            for call in m.get("tool_calls", []):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
-                        raise _bad(f"messages: tool call arguments are not valid JSON: {fn['arguments'][:80]}",
-                                   "messages") from None
+        try:
+            messages = template_messages(req.messages)
+        except ValueError as exc:
+            raise _bad(str(exc), "messages") from None
         try:
             ids = manager.chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
                                           [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)

@@ -16,7 +16,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from servelm.entrypoints.openai_protocol import ChatTool, FunctionCall, NamedToolChoice, ToolCall, random_id
+from servelm.entrypoints.openai_protocol import (
+    ChatMessage,
+    ChatTool,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
+    random_id,
+)
 
 AUTO_UNSUPPORTED = ("tool_choice 'auto' (the default when tools are given) needs the server started with "
                     "--tool-call-parser for the model's tool-call format; or pass tool_choice 'required', a named "
@@ -143,3 +150,26 @@ def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolCh
     if not parallel:
         calls["maxItems"] = 1
     return ToolPlan(calls)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them.
+
+    Templates write a call's arguments with `| tojson`, so they get the object, not the JSON text the API
+    carries (as vLLM does); otherwise the model would see the arguments encoded twice. ValueError when the
+    arguments are not JSON.
+    """
+    out = []
+    for m in messages:
+        msg = {"role": m.role, "content": m.text(),
+               **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+        for call in msg.get("tool_calls", []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except json.JSONDecodeError:
+                    raise ValueError(f"messages: tool call arguments are not valid JSON: {fn['arguments'][:80]}") \
+                        from None
+        out.append(msg)
+    return out
