@@ -89,20 +89,17 @@ class PagedAttention(nn.Module):
     def _decode_plan(self, fb: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache rows to gather ([Hkv * B * L], head-major) and the padding bias (0 or -inf, in the scores'
         dtype as baddbmm needs), once per forward."""
-        key = (self.num_kv_heads, self.group, dtype)
-        cached = getattr(fb, "_decode_attention_plan", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        return fb.memo(("decode_attention", self.num_kv_heads, self.group, dtype),
+                       lambda: self._build_decode_plan(fb, dtype))
+
+    def _build_decode_plan(self, fb: ForwardBatch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         assert fb.decode_kv_index is not None and fb.decode_bias is not None
         hkv = self.num_kv_heads
         B, L = fb.decode_kv_index.shape
         heads = torch.arange(hkv, device=fb.decode_kv_index.device).view(hkv, 1)
         rows = (fb.decode_kv_index.view(1, -1) * hkv + heads).view(-1)
         bias = fb.decode_bias.view(1, B, 1, L).expand(hkv, B, self.group, L).reshape(hkv * B, self.group, L)
-        bias = bias.to(dtype)
-        plan = (rows, bias)
-        setattr(fb, "_decode_attention_plan", (key, plan))  # noqa: B010 - a per-forward cache
-        return plan
+        return rows, bias.to(dtype)
 
 
 # ---------------------------------------------------------------- batch-invariant attention
@@ -239,10 +236,10 @@ class BatchInvariantAttention(nn.Module):
 
     def _plan(self, fb: ForwardBatch, dtype: torch.dtype, device: torch.device) -> list[_Unit]:
         """The units of this step, built once per forward and shared by all layers."""
-        key = ("_invariant_attention_plan", self.group, self.head_dim)
-        cached = getattr(fb, "_invariant_attention_plan", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        return fb.memo(("invariant_attention", self.group, self.head_dim, dtype),
+                       lambda: self._build_plan(fb, dtype, device))
+
+    def _build_plan(self, fb: ForwardBatch, dtype: torch.dtype, device: torch.device) -> list[_Unit]:
         rule = _probe_attention(self.head_dim, dtype, device)
         g = self.group
         starts, offset = [], 0
@@ -266,7 +263,6 @@ class BatchInvariantAttention(nn.Module):
                 b = min(n, a + per_slab)
                 units.append(self._unit([starts[i] + a], [prefix + a], [fb.kv_indices[i][: prefix + b]], b - a,
                                         rule, device))
-        setattr(fb, "_invariant_attention_plan", (key, units))  # noqa: B010 - a per-forward cache
         return units
 
     def _unit(self, starts: list[int], first_pos: list[int], kv: list[torch.Tensor], n: int, rule: RowRule,

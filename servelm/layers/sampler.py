@@ -105,8 +105,7 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: fp32 [R, V] (raw model output; modified in place)."""
-    scored = [r.wants_logprob for r in rows]
-    which = [i for i in range(len(rows)) if scored[i]]
+    which = [i for i, r in enumerate(rows) if r.wants_logprob]
     # Only the rows that report logprobs (a scored prompt chunk has one row per token: no second copy).
     raw_logprobs = None
     if which:

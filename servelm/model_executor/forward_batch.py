@@ -73,6 +73,14 @@ class ForwardBatch:
     decode_tokens: torch.Tensor | None = None  # [B]; None when every request of the step is a decode
     decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with the row's first slot
     decode_bias: torch.Tensor | None = None  # [B, 1, 1, Lmax] fp32, 0 = attend, -inf = padding
+    # Per-forward derived data that every layer shares (attention plans), keyed by what it depends on.
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def memo(self, key: Any, build: Any) -> Any:
+        """`build()` once per forward for `key`; later layers get the same object."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     @property
     def is_decode(self) -> bool:
