@@ -45,6 +45,8 @@ class ServerArgs:
     max_queued_requests: int = _opt(256, "Requests waiting beyond this answer 429.")
     log_requests: bool = _opt(False, "Log every request and its output.")
     log_level: str = _opt("info", "Log level.", choices=["debug", "info", "warning", "error"])
+    shutdown_timeout: float = _opt(5.0, "On SIGTERM/Ctrl-C, seconds that running requests get to finish before "
+                                   "they are ended with an error (new requests get 503 at once).")
     tool_call_parser: str | None = _opt(None, "Read tool calls in the model's own format, which allows "
                                         "tool_choice 'auto' (hermes: <tool_call>{...}</tool_call>, as Qwen2/3 "
                                         "and Hermes models write them).", choices=["hermes"])
@@ -59,6 +61,8 @@ class ServerArgs:
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.")
     disable_fast_path: bool = _opt(False, "Eager PyTorch only: plain F.linear instead of oneDNN with pre-packed "
                                           "weights on CPU.", aliases=("--disable-torch-compile",))
+    num_threads: int | None = _opt(None, "CPU threads for the model (default: the CPUs available to the process, "
+                                         "from its affinity and cgroup quota).")
     random_seed: int = _opt(0, "Seed for sampling when a request gives none.")
     enable_deterministic_inference: bool = _opt(False, "Batch-invariant kernels and sampling.")
 
@@ -86,6 +90,8 @@ class ServerArgs:
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
             (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
+            (self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}"),
+            (self.num_threads is None or self.num_threads >= 1, f"--num-threads must be >= 1, got {self.num_threads}"),
             (self.max_queued_requests >= 1, f"--max-queued-requests must be >= 1, got {self.max_queued_requests}"),
         ]
         for ok, msg in checks:
