@@ -527,6 +527,28 @@ def test_duplicate_rid_is_400(server: ServerProcess) -> None:
     assert wait_idle(server)["kv_integrity_ok"] is True
 
 
+def test_rid_of_a_sub_request_is_not_taken_over(server: ServerProcess) -> None:
+    """A running `cl-0`; then `cl` with n=2 (its choice 0 would be `cl-0`) is a 400, an abort of `cl`
+    touches nothing, and `cl-0` completes with all its tokens."""
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+            "stream": True, "rid": "cl-0"}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False, "rid": "cl", "n": 2},
+                       timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "rid" and "'cl-0'" in r.text
+        assert httpx.post(f"{server.base_url}/abort_request", json={"rid": "cl"}).json() == {"success": False}
+        chunks = [json.loads(line[6:]) for line in resp.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # More sequences than the server can ever run at once (64 running + 256 queued): not a 429 to retry forever.
+    r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "stream": False, "rid": None, "n": 128,
+                                                               "prompt": ["a", "b", "c"], "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    info = wait_idle(server)
+    assert info["kv_integrity_ok"] is True and info["num_in_flight"] == 0
+
+
 # ----------------------------------------------------------- benchmark
 @pytest.mark.parametrize("dataset", ["random", "generated-shared-prefix"])
 def test_bench_serving(server: ServerProcess, tiny_llama: tuple[Path, object], tmp_path: Path,

@@ -169,15 +169,13 @@ class Scheduler:
         self.stats["prompt_tokens"] += len(req.input_ids)
 
     def abort_request(self, rid: str) -> list[TokenOut]:
-        """Abort `rid` (and its n-samples `rid-i`); frees its KV now."""
-        def matches(r: Req) -> bool:
-            return r.rid == rid or r.rid.startswith(rid + "-")
-
+        """Abort the request whose id is exactly `rid` (ids are the API's internal ones, never
+        client text, so no other request can match); frees its KV now."""
         outs = []
-        for r in [r for r in self.waiting if matches(r)]:
+        for r in [r for r in self.waiting if r.rid == rid]:
             self.waiting.remove(r)
             outs.append(self._finish(r, {"type": "abort", "matched": None, "message": "aborted"}))
-        for r in [r for r in self.running if matches(r)]:
+        for r in [r for r in self.running if r.rid == rid]:
             self.running.remove(r)
             outs.append(self._finish(r, {"type": "abort", "matched": None, "message": "aborted"}))
         return outs

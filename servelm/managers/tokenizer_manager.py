@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,10 @@ class DuplicateRequestIdError(ValueError):
     """A request id that is already in flight (answered with 400)."""
 
 
+class CapacityError(ValueError):
+    """A request that could never be admitted, however long it waited (answered with 400, not 429)."""
+
+
 class SchedulerUnavailableError(Exception):
     """The scheduler did not answer (it is gone, or the server is stopping)."""
 
@@ -74,7 +79,8 @@ def load_server_tokenizer(server_args: ServerArgs) -> Any:
 
 @dataclass
 class _SubRequest:
-    rid: str
+    rid: str  # internal id, the scheduler's: a fresh uuid, never derived from client text
+    public_id: str  # what the client sees and may abort: the request's rid, or `rid-index` under n/batches
     index: int
     group: RequestGroup
     created: float
@@ -120,8 +126,10 @@ class TokenizerManager:
         self.model_info: dict[str, Any] = {}
         self.max_in_flight = server_args.max_running_requests + server_args.max_queued_requests
         self.num_in_flight = 0
-        self._subs: dict[str, _SubRequest] = {}
-        self._groups: dict[str, RequestGroup] = {}
+        self._subs: dict[str, _SubRequest] = {}  # by internal id
+        # Every id a client can name (group rids and the public ids of their sub-requests), so that
+        # an abort matches exactly one thing and a new request can never take over a running one.
+        self._public: dict[str, RequestGroup | _SubRequest] = {}
         self._flush_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._info_waiters: collections.deque[asyncio.Future] = collections.deque()
         self._token_text_cache: dict[int, str] = {}
@@ -200,13 +208,19 @@ class TokenizerManager:
     def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool) -> RequestGroup:
         """Send `len(prompts) * params.n` GenerateReqs; sub-request `p * n + i` samples prompt p with index i.
 
-        Raises QueueFullError (nothing is sent) when the server is full, DuplicateRequestIdError
-        when `rid` is in flight already.
+        Raises QueueFullError (nothing is sent) when the server is full, CapacityError when the group
+        could never fit, DuplicateRequestIdError when `rid` or one of its sub-request ids (`rid-i`)
+        names a request in flight already.
         """
         n = params.n
         total = len(prompts) * n
-        if rid in self._groups or rid in self._subs:
-            raise DuplicateRequestIdError(f"request id {rid!r} is already in use by a running request")
+        public_ids = [rid] if total == 1 else [f"{rid}-{index}" for index in range(total)]
+        taken = next((x for x in (rid, *public_ids) if x in self._public), None)
+        if taken is not None:
+            raise DuplicateRequestIdError(f"request id {taken!r} is already in use by a running request")
+        if total > self.max_in_flight:
+            raise CapacityError(f"the request needs {total} sequences ({len(prompts)} prompt(s) x n={n}) but the "
+                                f"server runs at most {self.max_in_flight} at once; send fewer")
         if self.num_in_flight + total > self.max_in_flight:
             self.metrics.observe_rejected()
             raise QueueFullError(
@@ -218,14 +232,15 @@ class TokenizerManager:
         for p, ids in enumerate(prompts):
             for i in range(n):
                 index = p * n + i
-                sub_rid = rid if total == 1 else f"{rid}-{index}"
-                sub = _SubRequest(rid=sub_rid, index=index, group=group, created=now)
+                sub = _SubRequest(rid=uuid.uuid4().hex, public_id=public_ids[index], index=index, group=group,
+                                  created=now)
                 group.subs.append(sub)
-                self._subs[sub_rid] = sub
+                self._subs[sub.rid] = sub
+                self._public[sub.public_id] = sub
                 self.num_in_flight += 1
-                self._send.send(encode(GenerateReq(rid=sub_rid, input_ids=list(ids), sampling_params=sampling,
+                self._send.send(encode(GenerateReq(rid=sub.rid, input_ids=list(ids), sampling_params=sampling,
                                                    stream=stream, sample_index=i)))
-        self._groups[rid] = group
+        self._public[rid] = group
         if self.server_args.log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, prompt tokens %s, params %s", rid, len(prompts), n,
                         [len(ids) for ids in prompts], sampling)
@@ -233,7 +248,8 @@ class TokenizerManager:
 
     def abort_group(self, group: RequestGroup) -> None:
         """Abort the group's unfinished sub-requests now and forget them (late outputs are dropped)."""
-        self._groups.pop(group.rid, None)
+        if self._public.get(group.rid) is group:
+            del self._public[group.rid]
         for sub in group.subs:
             if sub.finished:
                 continue
@@ -243,15 +259,17 @@ class TokenizerManager:
             with contextlib.suppress(zmq.ZMQError):
                 self._send.send(encode(AbortReq(sub.rid)))
             if self.server_args.log_requests:
-                logger.info("request %s aborted by the client", sub.rid)
+                logger.info("request %s aborted by the client", sub.public_id)
 
     def abort_request(self, rid: str) -> bool:
-        """Ask the scheduler to abort a request (a whole group or one sub-request); its client
-        then receives a final output with finish reason `abort`. Returns whether it was known."""
-        group = self._groups.get(rid)
-        subs = [s for s in group.subs if not s.finished] if group else []
-        if not subs and rid in self._subs:
-            subs = [self._subs[rid]]
+        """Ask the scheduler to abort the request whose id is exactly `rid` (a whole group, or one
+        sub-request by its `rid-i` id); its client then receives a final output with finish reason
+        `abort`. Returns whether such a request was running."""
+        target = self._public.get(rid)
+        if isinstance(target, RequestGroup):
+            subs = [s for s in target.subs if not s.finished]
+        else:
+            subs = [target] if target is not None and not target.finished else []
         for sub in subs:
             self._send.send(encode(AbortReq(sub.rid)))
         return bool(subs)
@@ -272,6 +290,11 @@ class TokenizerManager:
     def _forget(self, sub: _SubRequest) -> None:
         if self._subs.pop(sub.rid, None) is not None:
             self.num_in_flight -= 1
+        if self._public.get(sub.public_id) is sub:
+            del self._public[sub.public_id]
+        group = sub.group
+        if all(s.finished for s in group.subs) and self._public.get(group.rid) is group:
+            del self._public[group.rid]
 
     def _on_output(self, sub: _SubRequest, out: TokenOut) -> None:
         now = time.monotonic()
@@ -290,7 +313,7 @@ class TokenizerManager:
                                           out.prompt_tokens, out.cached_tokens)
             if self.server_args.log_requests:
                 logger.info("request %s finished: %s, %d prompt + %d completion tokens (%d cached), %.3fs",
-                            sub.rid, out.finish_reason, out.prompt_tokens, out.completion_tokens,
+                            sub.public_id, out.finish_reason, out.prompt_tokens, out.completion_tokens,
                             out.cached_tokens, now - sub.created)
         sub.group.queue.put_nowait((sub.index, out))
 
