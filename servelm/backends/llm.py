@@ -11,6 +11,7 @@ import logging
 from servelm.cli.serve import StrictArgumentParser, wants_help
 from servelm.cli.serve_backends import SERVE_BACKEND_API_VERSION, ServeBackend, ServeRequest
 from servelm.config import ServerArgs
+from servelm.cpu_threads import configure_cpu_threads, describe_threads
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,10 @@ def run(request: ServeRequest) -> None:
     server_args = ServerArgs.from_namespace(parser.parse_args(list(request.argv)))
     if server_args.model_path is None:
         logger.info("No --model-path given: serving the embedded default model")
+    # Before the scheduler and TP worker processes are spawned: they inherit the environment.
+    threads = configure_cpu_threads(server_args.num_threads,
+                                    processes=max(1, server_args.tp_size // server_args.nnodes))
+    logger.info("Model processes use %s", describe_threads(threads))
     # Imported here so that help, detection and `servelm backends` never pull in the runtime.
     from servelm.entrypoints.http_server import launch_server
 

@@ -25,6 +25,7 @@ from servelm.cli.serve import (
 )
 from servelm.cli.serve_backends import FALLBACK_BACKEND, ServeRequest, default_registry
 from servelm.config import ConfigError, ServerArgs
+from servelm.cpu_threads import apply_wait_policy
 
 logger = logging.getLogger("servelm")
 
@@ -203,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] in ("-V", "--version"):
         return cmd_version([])
     command = COMMANDS.get(args[0])
+    # Before any command imports torch: libgomp reads its wait policy once, when it loads.
+    apply_wait_policy()
     try:
         if command is None:
             raise CliError(f"Unknown command '{args[0]}'. Available commands: {', '.join(COMMANDS)}.")

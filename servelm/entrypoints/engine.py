@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from servelm.config import ServerArgs
+from servelm.cpu_threads import configure_cpu_threads
 from servelm.managers.io_struct import GenerateReq, TokenOut
 from servelm.managers.scheduler import Scheduler
 from servelm.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class Engine:
         elif kwargs:
             server_args = server_args.replace(**kwargs)
         self.server_args = server_args
+        # Threads of this process and of the TP workers it spawns (they inherit the environment).
+        self.cpu_threads = configure_cpu_threads(server_args.num_threads,
+                                                 processes=max(1, server_args.tp_size // server_args.nnodes))
         self.scheduler = Scheduler.from_server_args(server_args)
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()

@@ -1,0 +1,211 @@
+"""servelm.cpu_threads: the CPU count (affinity, cgroup v1/v2 quota), precedence of the user's settings,
+and that spawned processes (our scheduler and TP workers) start their OpenMP runtime with them.
+
+No timing here: the speed of the policies is measured by `servelm bench one-batch --competing-load`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from servelm import cpu_threads
+from servelm.cpu_threads import (
+    DEFAULTED_ENV,
+    apply_wait_policy,
+    available_cpus,
+    cgroup_cpu_limit,
+    configure_cpu_threads,
+    parse_cfs_quota,
+    parse_cpu_max,
+    resolve_num_threads,
+)
+
+
+@pytest.fixture
+def clean_environ() -> Iterator[None]:
+    """os.environ without any threading setting; restored (with torch's thread count) afterwards."""
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME", "OMP_NUM_THREADS", DEFAULTED_ENV):
+        os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ CPU count
+def test_parse_cpu_max() -> None:
+    assert parse_cpu_max("max 100000\n") is None
+    assert parse_cpu_max("150000 100000\n") == 1.5
+    assert parse_cpu_max("400000 100000") == 4.0
+    assert parse_cpu_max("50000") == 0.5  # period defaults to 100000
+    assert parse_cpu_max("") is None and parse_cpu_max("garbage x") is None
+
+
+def test_parse_cfs_quota() -> None:
+    assert parse_cfs_quota("-1\n", "100000\n") is None
+    assert parse_cfs_quota("250000\n", "100000\n") == 2.5
+    assert parse_cfs_quota("x", "100000") is None
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_cgroup_v2_takes_the_tightest_limit_up_the_tree(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    _write(root / "cpu.max", "max 100000\n")
+    _write(root / "kubepods" / "cpu.max", "300000 100000\n")
+    _write(root / "kubepods" / "pod1" / "cpu.max", "max 100000\n")
+    proc = tmp_path / "proc_self_cgroup"
+    _write(proc, "0::/kubepods/pod1\n")
+    assert cgroup_cpu_limit(root, proc) == 3.0
+    _write(root / "kubepods" / "pod1" / "cpu.max", "150000 100000\n")
+    assert cgroup_cpu_limit(root, proc) == 1.5
+
+
+def test_cgroup_v2_inside_a_container_reads_the_mount_root(tmp_path: Path) -> None:
+    # /proc/self/cgroup names a host path that the container's mount does not have.
+    root = tmp_path / "cgroup"
+    _write(root / "cpu.max", "200000 100000\n")
+    proc = tmp_path / "proc_self_cgroup"
+    _write(proc, "0::/system.slice/docker-abc.scope\n")
+    assert cgroup_cpu_limit(root, proc) == 2.0
+
+
+def test_cgroup_v1_quota(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    mount = root / "cpu,cpuacct"
+    _write(mount / "cpu.cfs_quota_us", "-1\n")
+    _write(mount / "cpu.cfs_period_us", "100000\n")
+    _write(mount / "docker" / "c1" / "cpu.cfs_quota_us", "50000\n")
+    _write(mount / "docker" / "c1" / "cpu.cfs_period_us", "100000\n")
+    proc = tmp_path / "proc_self_cgroup"
+    _write(proc, "12:memory:/docker/c1\n4:cpu,cpuacct:/docker/c1\n1:name=systemd:/docker/c1\n")
+    assert cgroup_cpu_limit(root, proc) == 0.5
+    _write(mount / "docker" / "c1" / "cpu.cfs_quota_us", "-1\n")
+    assert cgroup_cpu_limit(root, proc) is None
+
+
+def test_no_cgroup_files_means_no_limit(tmp_path: Path) -> None:
+    assert cgroup_cpu_limit(tmp_path / "nothing", tmp_path / "no_proc_file") is None
+
+
+def test_available_cpus_is_affinity_capped_by_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    root, proc = tmp_path / "cgroup", tmp_path / "proc_self_cgroup"
+    _write(proc, "0::/\n")
+    _write(root / "cpu.max", "max 100000\n")
+    assert available_cpus(root, proc) == 6
+    _write(root / "cpu.max", "250000 100000\n")
+    assert available_cpus(root, proc) == 2  # a fractional CPU rounds down
+    _write(root / "cpu.max", "20000 100000\n")
+    assert available_cpus(root, proc) == 1  # never 0
+    monkeypatch.setattr(cpu_threads.os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    _write(root / "cpu.max", "400000 100000\n")
+    assert available_cpus(root, proc) == 1  # taskset -c 3
+
+
+# ------------------------------------------------------------------ precedence
+def test_wait_policy_default_and_user_settings_win() -> None:
+    env: dict[str, str] = {}
+    assert apply_wait_policy(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env[DEFAULTED_ENV] == "OMP_WAIT_POLICY"
+    assert apply_wait_policy(env) == {"OMP_WAIT_POLICY": "PASSIVE"}  # idempotent
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}, {"KMP_BLOCKTIME": "1"}):
+        env = dict(user)
+        assert apply_wait_policy(env) == user
+        assert env == user  # nothing added
+
+
+def test_thread_count_precedence() -> None:
+    assert resolve_num_threads(None, env={}, cpus=4) == (4, "available CPUs")
+    assert resolve_num_threads(None, processes=2, env={}, cpus=4) == (2, "available CPUs")
+    assert resolve_num_threads(None, processes=4, env={}, cpus=2) == (1, "available CPUs")
+    user = {"OMP_NUM_THREADS": "3"}
+    assert resolve_num_threads(None, env=user, cpus=4) == (3, "OMP_NUM_THREADS")
+    assert resolve_num_threads(None, env={"OMP_NUM_THREADS": "3,1"}, cpus=4) == (3, "OMP_NUM_THREADS")
+    assert resolve_num_threads(5, env=user, cpus=4) == (5, "--num-threads")
+    # A value we set ourselves (listed in SERVELM_DEFAULTED_ENV, e.g. inherited from a servelm parent) is recomputed.
+    ours = {"OMP_NUM_THREADS": "3", DEFAULTED_ENV: "OMP_NUM_THREADS,OMP_WAIT_POLICY"}
+    assert resolve_num_threads(None, env=ours, cpus=4) == (4, "available CPUs")
+
+
+def test_configure_sets_the_environment_for_children() -> None:
+    env: dict[str, str] = {"OMP_NUM_THREADS": "3"}
+    settings = configure_cpu_threads(None, env=env, cpus=8)
+    assert (settings.num_threads, settings.source) == (3, "OMP_NUM_THREADS")
+    assert env["OMP_NUM_THREADS"] == "3" and "OMP_NUM_THREADS" not in env[DEFAULTED_ENV]
+    settings = configure_cpu_threads(2, env=env, cpus=8)
+    assert (settings.num_threads, settings.source) == (2, "--num-threads") and env["OMP_NUM_THREADS"] == "2"
+    env = {}
+    settings = configure_cpu_threads(None, processes=2, env=env, cpus=8)
+    assert env["OMP_NUM_THREADS"] == "4" and settings.wait_policy == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_configure_applies_to_the_running_torch(clean_environ: None) -> None:
+    configure_cpu_threads(1)
+    assert torch.get_num_threads() == 1
+    assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+# ------------------------------------------------------------------ spawned processes
+def _child_report(queue: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    import torch as child_torch
+
+    queue.put((child_torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY")))
+
+
+def _spawned_report() -> tuple[int, str | None]:
+    ctx = multiprocessing.get_context("spawn")  # as the server's scheduler and the TP workers
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_report, args=(queue,))
+    proc.start()
+    try:
+        return queue.get(timeout=120)
+    finally:
+        proc.join(30)
+
+
+def test_spawned_child_starts_openmp_with_the_settings(clean_environ: None, capfd: pytest.CaptureFixture[str]) -> None:
+    configure_cpu_threads(1)
+    os.environ["OMP_DISPLAY_ENV"] = "VERBOSE"  # the child's libgomp prints what it read, at load
+    assert _spawned_report() == (1, "PASSIVE")
+    err = capfd.readouterr().err
+    assert "OMP_NUM_THREADS = '1'" in err and "GOMP_SPINCOUNT = '0'" in err  # passive: no spinning
+
+
+def test_spawned_child_keeps_the_users_settings(clean_environ: None, capfd: pytest.CaptureFixture[str]) -> None:
+    os.environ.update({"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "1234", "OMP_DISPLAY_ENV": "VERBOSE"})
+    configure_cpu_threads(None)
+    assert _spawned_report() == (1, None)
+    assert "GOMP_SPINCOUNT = '1234'" in capfd.readouterr().err
+
+
+def test_cli_sets_the_policy_before_commands_run(clean_environ: None) -> None:
+    from servelm.cli.main import main
+
+    assert main(["version"]) == 0
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_engine_num_threads(tiny_llama, clean_environ: None) -> None:
+    from servelm.entrypoints.engine import Engine
+
+    folder, _ = tiny_llama
+    engine = Engine(model_path=str(folder), max_total_tokens=256, num_threads=1)
+    try:
+        assert torch.get_num_threads() == 1
+        assert (engine.cpu_threads.num_threads, engine.cpu_threads.source) == (1, "--num-threads")
+        assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
+    finally:
+        engine.shutdown()
