@@ -41,3 +41,17 @@ def test_offline_counts_every_output_token(tiny_llama, tmp_path: Path, capsys: p
     assert row["output_tok_s"] == pytest.approx(6 * 7 / row["seconds"])
     assert row["speedup"] == pytest.approx(row["output_tok_s"] / row["hf_output_tok_s"])
     assert "6 prompts x 16 in / 7 out" in capsys.readouterr().out
+
+
+def test_one_batch_competing_load_reports_idle_and_busy(tiny_llama, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    folder, _ = tiny_llama
+    out = tmp_path / "rows.jsonl"
+    assert one_batch.main(["--model-path", str(folder), "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+                           "--runs", "1", "--competing-load", "1", "--max-total-tokens", "256",
+                           "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["competing_load"] == 1 and row["num_threads"] >= 1 and row["busy_decode_tok_s"] > 0
+    assert row["busy_decode_ratio"] == pytest.approx(row["busy_decode_tok_s"] / row["decode_tok_s"])
+    text = capsys.readouterr().out
+    assert "with 1 competing process(es)" in text and "CPU threads" in text

@@ -8,9 +8,14 @@ is prefilled in one step and then decodes together, as transformers does.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Iterator
 
 from servelm.bench.common import (
     build_parser,
@@ -21,6 +26,7 @@ from servelm.bench.common import (
     random_prompts,
 )
 from servelm.config import ServerArgs
+from servelm.cpu_threads import describe_threads
 from servelm.entrypoints.engine import Engine
 from servelm.managers.io_struct import GenerateReq
 
@@ -50,6 +56,38 @@ def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[
     return {"prefill_s": t1 - t0, "prefill_tok_s": sum(map(len, prompts)) / (t1 - t0),
             "decode_step_ms": (t2 - t1) / max(steps, 1) * 1e3,
             "decode_tok_s": bs * (output_len - 1) / (t2 - t1)}
+
+
+@contextlib.contextmanager
+def competing_load(processes: int) -> Iterator[None]:
+    """`processes` other processes each burning one core for the duration: a busy shared machine or CI runner.
+
+    Plain Python busy loops, so they compete for CPU time only (not memory bandwidth), as
+    the other test processes on a shared runner mostly do between their own forwards.
+    """
+    procs = [subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(0.3)  # let them start spinning (and the kernel spread them) before measuring
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+def idle_and_busy(runs: int, processes: int, fn: Callable[[], dict[str, float]]) -> tuple[dict[str, float],
+                                                                                          dict[str, float]]:
+    """Medians of `runs` idle and `runs` busy runs, interleaved so that drifts of the machine hit both."""
+    idle, busy = [], []
+    for _ in range(runs):
+        idle.append(fn())
+        with competing_load(processes):
+            busy.append(fn())
+    def medians(results: list[dict[str, float]]) -> dict[str, float]:
+        return {k: statistics.median(r[k] for r in results) for k in results[0]}
+
+    return medians(idle), medians(busy)
 
 
 def profile_decode(engine: Engine, prompts: list[list[int]], steps: int = 8) -> str:
@@ -83,6 +121,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--profile", action="store_true",
                         help="Also print where one decode step's time goes, by op (torch.profiler).")
+    parser.add_argument("--competing-load", type=int, default=0, metavar="N",
+                        help="Also measure with N other processes each burning a core (a busy machine), "
+                             "interleaved with the idle runs; reports both and their ratio.")
     ns = parser.parse_args(argv)
     args = ServerArgs.from_namespace(ns)
     biggest = max(ns.batch_size)
@@ -93,17 +134,28 @@ def main(argv: list[str]) -> int:
     bw = memory_bandwidth_gbs()
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.scheduler.runner.model.parameters())
     print(f"model {engine.scheduler.runner.model_path}  fast_path={engine.scheduler.runner.fast_path}  "
-          f"weights {weight_bytes / 1e6:.0f} MB  memory bandwidth {bw:.1f} GB/s")
+          f"weights {weight_bytes / 1e6:.0f} MB  memory bandwidth {bw:.1f} GB/s\n"
+          f"{describe_threads(engine.cpu_threads)}")
     for bs in ns.batch_size:
         prompts = random_prompts(bs, ns.input_len, engine.scheduler.vocab_size, ns.seed)
         run_once(engine, prompts, min(ns.output_len, 4))  # warm-up
-        res = median_of(ns.runs, lambda: run_once(engine, prompts, ns.output_len))  # noqa: B023
+        once = lambda: run_once(engine, prompts, ns.output_len)  # noqa: B023, E731
+        if ns.competing_load:
+            res, busy = idle_and_busy(ns.runs, ns.competing_load, once)
+        else:
+            res = median_of(ns.runs, once)
         line = (f"batch {bs:3d}  in {ns.input_len}  out {ns.output_len}  prefill {res['prefill_s'] * 1e3:8.1f} ms "
                 f"({res['prefill_tok_s']:7.1f} tok/s)  decode {res['decode_step_ms']:7.1f} ms/step "
                 f"({res['decode_tok_s']:7.1f} tok/s)")
         if bs == 1:
             res["bandwidth_fraction"] = weight_bytes / (res["decode_step_ms"] / 1e3) / 1e9 / bw
             line += f"  {res['bandwidth_fraction'] * 100:.0f}% of fp32 bandwidth limit"
+        if ns.competing_load:
+            res.update({f"busy_{k}": v for k, v in busy.items()})
+            res["busy_decode_ratio"] = busy["decode_tok_s"] / res["decode_tok_s"]
+            line += (f"\n           with {ns.competing_load} competing process(es): prefill "
+                     f"{busy['prefill_s'] * 1e3:8.1f} ms  decode {busy['decode_step_ms']:7.1f} ms/step "
+                     f"({busy['decode_tok_s']:7.1f} tok/s)  -> x{res['busy_decode_ratio']:.2f} of idle")
         if hf is not None:
             hf_generate_seconds(hf, prompts, 2)  # warm-up
 
@@ -123,6 +175,8 @@ def main(argv: list[str]) -> int:
         if ns.json:
             with open(ns.json, "a") as fh:
                 fh.write(json.dumps({"bench": "one-batch", "batch_size": bs, "input_len": ns.input_len,
-                                     "output_len": ns.output_len, **res}) + "\n")
+                                     "output_len": ns.output_len, "competing_load": ns.competing_load,
+                                     "num_threads": engine.cpu_threads.num_threads,
+                                     "wait_policy": engine.cpu_threads.wait_policy, **res}) + "\n")
     engine.shutdown()
     return 0
