@@ -24,6 +24,29 @@ if TYPE_CHECKING:
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+# Deeper JSON would exhaust Python's recursion in the JSON and grammar code; no real schema comes close.
+MAX_SCHEMA_DEPTH = 100
+
+
+def check_schema_depth(schema: Any, param: str = "json_schema") -> None:
+    """ValueError (naming `param`) when `schema` nests objects/arrays more than MAX_SCHEMA_DEPTH deep.
+
+    Iterative, so that it cannot itself run out of recursion.
+    """
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{param}: nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def grammar_of(json_schema: str | None, regex: str | None) -> str | None:
     """The llguidance grammar of a request's constraint, or None when it has none.
 
@@ -40,8 +63,11 @@ def grammar_of(json_schema: str | None, regex: str | None) -> str | None:
             schema = json.loads(json_schema)
         except json.JSONDecodeError as exc:
             raise ValueError(f"json_schema: not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"json_schema: nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
         if not isinstance(schema, dict):
             raise ValueError("json_schema: a JSON schema must be a JSON object")
+        check_schema_depth(schema)
         grammar, param = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "json_schema"
     else:
         grammar, param = LLMatcher.grammar_from_regex(regex), "regex"  # type: ignore[arg-type]

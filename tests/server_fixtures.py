@@ -31,6 +31,25 @@ def slow_start_scheduler(server_args: Any) -> Any:
     return Scheduler.from_server_args(server_args)
 
 
+STEP_DELAY_ENV = "SERVELM_TEST_STEP_DELAY_S"
+
+
+def slow_step_scheduler(server_args: Any) -> Any:
+    """The real scheduler, each step delayed by `$SERVELM_TEST_STEP_DELAY_S` seconds: requests that
+    outlast a test's deadlines on any machine, however fast."""
+    from servelm.managers.scheduler import Scheduler
+
+    scheduler = Scheduler.from_server_args(server_args)
+    step, delay = scheduler.step, float(os.environ.get(STEP_DELAY_ENV, "0.05"))
+
+    def slow_step() -> Any:
+        time.sleep(delay)
+        return step()
+
+    scheduler.step = slow_step
+    return scheduler
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -15,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.server_fixtures import SLOW_START_ENV, ServerProcess, start_server
+from tests.server_fixtures import SLOW_START_ENV, STEP_DELAY_ENV, ServerProcess, start_server
 
 MESSAGES = [{"role": "user", "content": "Write a long poem."}]
 TINY_ARGS = ["--disable-torch-compile", "--max-total-tokens", "8192"]
@@ -117,7 +118,8 @@ def test_startup_503_ready_line_and_sigint(tiny_llama: tuple[Path, object], tmp_
                 continue
             statuses.add(r.status_code)
             if r.status_code == 503:
-                chat = httpx.post(f"{srv.base_url}/v1/chat/completions", json={"messages": MESSAGES})
+                chat = httpx.post(f"{srv.base_url}/v1/chat/completions", timeout=60,
+                                  json={"messages": MESSAGES, "max_tokens": 2})
                 if chat.status_code == 503:  # still starting (it may have just become ready)
                     assert chat.json()["error"]["type"] == "service_unavailable"
             if r.status_code == 200:
@@ -164,3 +166,63 @@ def test_default_model_serves_and_sigterm(tmp_path: Path) -> None:
         assert wait_gone(children, timeout=5) == []
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_sigterm_drains_then_ends_running_requests_cleanly(tiny_llama: tuple[Path, object], tmp_path: Path) -> None:
+    """SIGTERM: new requests get 503 at once, a short request still finishes within --shutdown-timeout, and
+    the long ones then end with a proper error (a 503 JSON body; an SSE error event, then [DONE]); one log
+    line, no traceback, exit code 0."""
+    srv = start_server(["--model-path", str(tiny_llama[0]), *TINY_ARGS, "--shutdown-timeout", "3"],
+                       tmp_path / "server.log",
+                       env={"SERVELM_SCHEDULER_FACTORY": "tests.server_fixtures:slow_step_scheduler",
+                            STEP_DELAY_ENV: "0.05"})
+    url = srv.base_url
+    long_body = {"prompt": "hi", "max_tokens": 900, "ignore_eos": True}
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: dict) -> None:
+        results[name] = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+    try:
+        children = srv.children()
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long_body, "stream": True}, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            threads = [threading.Thread(target=post, args=("long", long_body)),
+                       threading.Thread(target=post, args=("short", {"prompt": "hi", "max_tokens": 4,
+                                                                     "ignore_eos": True}))]
+            threads[0].start()
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/server_info", timeout=10).json()["num_in_flight"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            threads[1].start()
+            while httpx.get(f"{url}/server_info", timeout=10).json()["num_in_flight"] < 3:
+                assert time.monotonic() < deadline, results
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            refused = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=10)
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["type"] == "service_unavailable"
+            rest = list(lines)
+        for t in threads:
+            t.join(30)
+        assert srv.proc.wait(20) == 0, srv.log()[-3000:]
+        assert time.monotonic() - t0 < 15
+    finally:
+        srv.stop(signal.SIGKILL)
+    # The short request finished within the grace period; the long ones were ended after it.
+    assert results["short"].status_code == 200
+    assert results["short"].json()["choices"][0]["finish_reason"] == "length"
+    assert results["long"].status_code == 503
+    assert results["long"].json()["error"] == {"message": "The server is shutting down",
+                                               "type": "service_unavailable", "param": None, "code": None}
+    events = [ln for ln in rest if ln.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["type"] == "service_unavailable"
+    log = srv.log()
+    assert log.count("Shutting down: ending 2 running request(s) with an error after the 3s grace period") == 1
+    assert "Traceback" not in log and "CancelledError" not in log
+    assert wait_gone(children, timeout=5) == []

@@ -82,6 +82,7 @@ from servelm.entrypoints.tool_calls import HermesStream, plan_tool_calls, templa
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import (
+    CapacityError,
     DuplicateRequestIdError,
     QueueFullError,
     RequestGroup,
@@ -158,6 +159,7 @@ class ServerState:
     metrics: ServerMetrics
     ready: bool = False
     shutting_down: bool = False
+    stop_signal: int | None = None  # the signal that stops the server, if one did
     fatal_error: str | None = None
     proc: Any = None  # the scheduler process
     ready_reader: Connection | None = None
@@ -342,6 +344,9 @@ def build_app(state: ServerState) -> FastAPI:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "invalid_text":  # the whole body was checked: the message has the path
+            path = str((first.get("ctx") or {}).get("path", "body"))
+            return error_response(400, str(first.get("msg")), param=path.split(".")[0])
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "")
             return error_response(400, f"Malformed JSON body: {detail or first.get('msg')}", param="body")
@@ -423,6 +428,8 @@ def build_app(state: ServerState) -> FastAPI:
                            headers={"Retry-After": "1"}) from None
         except DuplicateRequestIdError as exc:
             raise _bad(str(exc), "rid") from None
+        except CapacityError as exc:
+            raise _bad(str(exc), "n") from None
 
     def chat_logprobs(out: TokenOut | _Accumulated) -> ChatLogprobs:
         content = []
@@ -709,7 +716,7 @@ def build_app(state: ServerState) -> FastAPI:
         group = submit(prompts, params, rid, req.stream)
 
         def meta(index: int, acc: _Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
-            return {"id": group.subs[index].rid, "finish_reason": acc.finish_reason,
+            return {"id": group.subs[index].public_id, "finish_reason": acc.finish_reason,
                     "prompt_tokens": acc.prompt_tokens or len(prompts[index // params.n]),
                     "completion_tokens": acc.completion_tokens or len(acc.token_ids),
                     "cached_tokens": acc.cached_tokens,
@@ -851,12 +858,14 @@ def _guard_error(state: ServerState, scope: Any) -> Response | None:
     """The 401/503 a request must get before reaching its endpoint, else None."""
     api_key = state.server_args.api_key
     if api_key is not None:
-        auth = ""
+        # Compared as raw bytes: a client sends a non-ASCII key as UTF-8, which no str decoding of the
+        # header (latin-1, as HTTP has it) would turn back into the key.
+        auth = b""
         for name, value in scope.get("headers", []):
             if name == b"authorization":
-                auth = value.decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                auth = value
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), api_key.encode()):
             return error_response(401, "Invalid or missing API key (send 'Authorization: Bearer <key>')",
                                   code="invalid_api_key")
     if state.shutting_down:
@@ -988,7 +997,32 @@ class _UvicornServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.state.shutting_down = True
+        if self.state.stop_signal is None:
+            self.state.stop_signal = sig
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        # Drain before uvicorn's own shutdown, which would cancel the running handlers mid-request
+        # (plain-text 500s, streams cut without [DONE], CancelledError tracebacks).
+        if not self.force_exit:
+            await _drain(self.state)
+        await super().shutdown(sockets)
+
+
+async def _drain(state: ServerState) -> None:
+    """Stop gracefully: new requests already get 503 (`shutting_down`, while the port stays open); running
+    ones get up to --shutdown-timeout seconds (none on Ctrl-C, which a person wants at once) to finish;
+    then each still open is ended with a 503 error body, or an SSE error event and [DONE]."""
+    manager = state.manager
+    grace = 0.0 if state.stop_signal == signal.SIGINT else state.server_args.shutdown_timeout
+    deadline = time.monotonic() + grace
+    while manager.num_in_flight and time.monotonic() < deadline and state.proc is not None and state.proc.is_alive():
+        await asyncio.sleep(0.05)
+    if manager.num_in_flight:
+        logger.warning("Shutting down: ending %d running request(s) with an error%s", manager.num_in_flight,
+                       f" after the {grace:g}s grace period (--shutdown-timeout)" if grace else "")
+        manager.fail_all("The server is shutting down")
+    # uvicorn's shutdown then waits (timeout_graceful_shutdown) for the handlers to send those errors.
 
 
 def _configure_logging(level: str) -> None:

@@ -11,7 +11,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from servelm.constrained import check_schema_depth
 
 
 def random_id(prefix: str) -> str:
@@ -21,6 +24,46 @@ def random_id(prefix: str) -> str:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _bounded_schema(schema: dict[str, Any] | None) -> dict[str, Any] | None:
+    if schema is not None:
+        check_schema_depth(schema, "schema")
+    return schema
+
+
+def invalid_text_path(value: Any) -> str | None:
+    """The path (`a.0.b`) of the first string in `value` (dict keys too) that is not valid Unicode text:
+    JSON's "\\ud800" (a lone UTF-16 surrogate) decodes to one, and no tokenizer or response can carry it.
+    None when all text is valid. Iterative, whatever the nesting; the path itself is always printable."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return (path or "body").encode("utf-8", "replace").decode()
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                sub = f"{path}.{key}" if path else str(key)
+                stack += [(key, sub), (child, sub)]
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}.{i}" if path else str(i)) for i, child in enumerate(item))
+    return None
+
+
+class _TopRequest(_Request):
+    """A request body: its text must be valid Unicode (checked once, for the whole body)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        path = invalid_text_path(data)
+        if path is not None:
+            raise PydanticCustomError("invalid_text", "{path}: not valid Unicode text (a lone UTF-16 surrogate?)",
+                                      {"path": path})
+        return data
 
 
 class _Response(BaseModel):
@@ -71,6 +114,8 @@ class JsonSchemaFormat(_Request):
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
+    _depth = field_validator("schema_")(_bounded_schema)
+
 
 class ResponseFormat(_Request):
     """OpenAI's structured-output switch: free text, any JSON object, or JSON following a schema."""
@@ -84,6 +129,8 @@ class FunctionDefinition(_Request):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
     strict: bool | None = None
+
+    _depth = field_validator("parameters")(_bounded_schema)
 
 
 class ChatTool(_Request):
@@ -100,7 +147,7 @@ class NamedToolChoice(_Request):
     function: ToolChoiceFunction
 
 
-class _SamplingFields(_Request):
+class _SamplingFields(_TopRequest):
     """Sampling fields shared by chat and completions requests."""
 
     model: str | None = None
@@ -149,7 +196,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
 
-class GenerateRequest(_Request):
+class GenerateRequest(_TopRequest):
     """Native `/generate` (SGLang-style): `text` or `input_ids`, one or a batch."""
 
     text: str | list[str] | None = None
@@ -159,7 +206,7 @@ class GenerateRequest(_Request):
     rid: str | None = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_TopRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -167,12 +214,12 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_TopRequest):
     model: str | None = None
     tokens: list[int]
 
 
-class AbortRequest(_Request):
+class AbortRequest(_TopRequest):
     rid: str
 
 

@@ -1,0 +1,68 @@
+"""Request validation helpers, without a server: text validity, schema depth, the API-key guard."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from servelm.config import ServerArgs
+from servelm.constrained import MAX_SCHEMA_DEPTH, check_schema_depth, grammar_of
+from servelm.entrypoints.http_server import _guard_error
+from servelm.entrypoints.openai_protocol import CompletionRequest, invalid_text_path
+
+LONE = "\ud800"
+
+
+def test_invalid_text_path_finds_lone_surrogates_anywhere() -> None:
+    assert invalid_text_path({"prompt": "ok", "stop": ["a", "b"], "n": 1, "x": None}) is None
+    assert invalid_text_path({"prompt": LONE}) == "prompt"
+    assert invalid_text_path({"messages": [{"role": "user", "content": "a"}, {"content": f"x{LONE}"}]}) == \
+        "messages.1.content"
+    assert invalid_text_path({"tools": {f"k{LONE}": 1}}) == "tools.k?"  # a bad key, printed safely
+    assert invalid_text_path(LONE) == "body"
+    deep: object = LONE
+    for _ in range(5000):  # far deeper than Python's recursion limit
+        deep = [deep]
+    assert invalid_text_path({"a": deep}) == "a" + ".0" * 5000
+
+
+def test_request_models_refuse_invalid_text() -> None:
+    with pytest.raises(ValueError, match=r"prompt: not valid Unicode text"):
+        CompletionRequest.model_validate({"prompt": LONE})
+    assert CompletionRequest.model_validate({"prompt": "h\u00e9llo \U0001f600"}).prompt == "h\u00e9llo \U0001f600"
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth - 1):
+        schema = {"items": schema}
+    return schema
+
+
+def test_schema_depth_is_bounded() -> None:
+    check_schema_depth(nested(MAX_SCHEMA_DEPTH))
+    with pytest.raises(ValueError, match=f"response_format: nested more than {MAX_SCHEMA_DEPTH} levels deep"):
+        check_schema_depth(nested(MAX_SCHEMA_DEPTH + 1), "response_format")
+    # A schema text too deep for json.loads itself is the same ValueError, never a RecursionError.
+    text = '{"items": ' * 5000 + "{}" + "}" * 5000
+    with pytest.raises(ValueError, match="json_schema: nested more than"):
+        grammar_of(text, None)
+
+
+def guard(api_key: str | None, header: bytes | None) -> int | None:
+    state = SimpleNamespace(server_args=ServerArgs(api_key=api_key), shutting_down=False, ready=True)
+    scope = {"headers": [] if header is None else [(b"authorization", header)]}
+    response = _guard_error(state, scope)  # type: ignore[arg-type]
+    return None if response is None else response.status_code
+
+
+def test_api_key_compares_bytes_so_non_ascii_keys_work() -> None:
+    key = "cl\u00e9-\u043a\u043b\u044e\u0447"
+    assert guard(key, b"Bearer " + key.encode("utf-8")) is None
+    assert guard(key, b"bearer " + key.encode("utf-8") + b" ") is None
+    assert guard(key, b"Bearer " + key.encode("latin-1", "replace")) == 401
+    assert guard(key, None) == 401
+    assert guard("sk-secret", b"Bearer sk-secret") is None
+    assert guard("sk-secret", b"Bearer sk-secreT") == 401
+    assert guard(None, None) is None
