@@ -125,10 +125,12 @@ def test_generate_with_chat_template(fake_engine: list[Any], capsys: pytest.Capt
     assert shutdown == ("shutdown",)
 
 
-def test_generate_raw_defaults(fake_engine: list[Any], capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["generate", "--model-path", "/m.gguf", "--prompt", "The sky is", "--raw"]) == 0
+def test_generate_raw_defaults(fake_engine: list[Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(16))  # passes the CLI's look at the path; the fake engine loads nothing
+    assert main(["generate", "--model-path", str(model), "--prompt", "The sky is", "--raw"]) == 0
     assert capsys.readouterr().out == "generated text\n"
-    assert fake_engine[0][1].model_path == "/m.gguf"
+    assert fake_engine[0][1].model_path == str(model)
     assert fake_engine[1] == ("generate", "The sky is", {"max_new_tokens": 128, "temperature": 0.0, "seed": None})
 
 

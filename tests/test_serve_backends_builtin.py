@@ -114,6 +114,7 @@ def fake_http_server(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     launched: list[Any] = []
     module = types.ModuleType("servelm.entrypoints.http_server")
     module.launch_server = launched.append  # type: ignore[attr-defined]
+    module.ServerError = RuntimeError  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "servelm.entrypoints.http_server", module)
     return launched
 
@@ -137,12 +138,26 @@ def test_llm_help_prints_serverargs_help_and_launches_nothing(
     assert fake_http_server == []
 
 
-def test_llm_run_launches_with_parsed_server_args(fake_http_server: list[Any]) -> None:
-    llm.run(ServeRequest(argv=("--model-path", "/m.gguf", "--tp", "2", "--port", "31000"), model_path="/m.gguf"))
+def gguf_file(folder: Path) -> str:
+    """A file that passes the CLI's look at a model path (the fake server loads nothing)."""
+    path = folder / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(16))
+    return str(path)
+
+
+def test_llm_run_launches_with_parsed_server_args(fake_http_server: list[Any], tmp_path: Path) -> None:
+    model = gguf_file(tmp_path)
+    llm.run(ServeRequest(argv=("--model-path", model, "--tp", "2", "--port", "31000"), model_path=model))
     assert len(fake_http_server) == 1
     args = fake_http_server[0]
     assert isinstance(args, ServerArgs)
-    assert (args.model_path, args.tp_size, args.port) == ("/m.gguf", 2, 31000)
+    assert (args.model_path, args.tp_size, args.port) == (model, 2, 31000)
+
+
+def test_llm_run_refuses_a_bad_model_path_before_launching(fake_http_server: list[Any], tmp_path: Path) -> None:
+    with pytest.raises(CliError, match="does not exist"):
+        llm.run(ServeRequest(argv=("--model-path", str(tmp_path / "nope")), model_path=str(tmp_path / "nope")))
+    assert fake_http_server == []
 
 
 def test_llm_run_without_model_logs_default_model(
@@ -156,9 +171,10 @@ def test_llm_run_without_model_logs_default_model(
 
 def test_llm_run_reads_config_file(fake_http_server: list[Any], tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("model: /from/file\nport: 31001\n")
+    model = gguf_file(tmp_path)
+    cfg.write_text(f"model: {model}\nport: 31001\n")
     llm.run(ServeRequest(argv=("--config", str(cfg), "--port", "31002")))
-    assert (fake_http_server[0].model_path, fake_http_server[0].port) == ("/from/file", 31002)
+    assert (fake_http_server[0].model_path, fake_http_server[0].port) == (model, 31002)
 
 
 def test_llm_run_invalid_values_raise_config_error(fake_http_server: list[Any]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from servelm.cli.serve import StrictArgumentParser, wants_help
+from servelm.cli.serve import CliError, StrictArgumentParser, wants_help
 from servelm.cli.serve_backends import SERVE_BACKEND_API_VERSION, ServeBackend, ServeRequest
 from servelm.config import ServerArgs
 from servelm.cpu_threads import configure_cpu_threads, describe_threads
@@ -28,6 +28,16 @@ def build_parser() -> StrictArgumentParser:
     return parser
 
 
+def check_model_path_or_exit(model_path: str) -> None:
+    """Fail at once, in one line, on a path that cannot be a model: before any process or torch starts."""
+    from servelm.model_loader.model_path import ModelSourceError, check_model_path
+
+    try:
+        check_model_path(model_path)
+    except ModelSourceError as exc:
+        raise CliError(str(exc), original=exc) from None
+
+
 def run(request: ServeRequest) -> None:
     """Parse `request.argv`; print help, or launch the HTTP server and block until it stops."""
     parser = build_parser()
@@ -37,14 +47,19 @@ def run(request: ServeRequest) -> None:
     server_args = ServerArgs.from_namespace(parser.parse_args(list(request.argv)))
     if server_args.model_path is None:
         logger.info("No --model-path given: serving the embedded default model")
+    else:
+        check_model_path_or_exit(server_args.model_path)
     # Before the scheduler and TP worker processes are spawned: they inherit the environment.
     threads = configure_cpu_threads(server_args.num_threads,
                                     processes=max(1, server_args.tp_size // server_args.nnodes))
     logger.info("Model processes use %s", describe_threads(threads))
     # Imported here so that help, detection and `servelm backends` never pull in the runtime.
-    from servelm.entrypoints.http_server import launch_server
+    from servelm.entrypoints.http_server import ServerError, launch_server
 
-    launch_server(server_args)
+    try:
+        launch_server(server_args)
+    except ServerError as exc:  # its message is written for the user: no type name in the Error line
+        raise CliError(str(exc), original=exc) from None
 
 
 def create_backend() -> ServeBackend:

@@ -101,6 +101,10 @@ def cmd_generate(argv: list[str]) -> int:
     name = registry_call(registry.auto_detect, request)
     if name != FALLBACK_BACKEND:
         raise CliError(f"Generate subcommand is not yet supported for model: {server_args.model_path}")
+    if server_args.model_path is not None:
+        from servelm.backends.llm import check_model_path_or_exit
+
+        check_model_path_or_exit(server_args.model_path)
 
     # Imported here: the engine pulls in torch, which nothing else in the CLI needs.
     from servelm.entrypoints.engine import Engine

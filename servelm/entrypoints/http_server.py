@@ -924,6 +924,9 @@ async def _startup(state: ServerState) -> None:
     manager = state.manager
     try:
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_server_tokenizer, args))
+        # When the scheduler fails first, nobody awaits the tokenizer: mark its error as seen, or asyncio
+        # prints it with a traceback ("exception was never retrieved") when the task is collected.
+        tokenizer_task.add_done_callback(lambda t: t.cancelled() or t.exception())
         msg = await asyncio.to_thread(_wait_ready, state)
         if state.stop_event.is_set():
             return

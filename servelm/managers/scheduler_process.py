@@ -187,7 +187,9 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         scheduler = _load_factory()(server_args)
         model_info = dict(scheduler.model_info())
     except Exception as exc:
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        # The API process reports the message (the CLI's one `Error:` line); the traceback is for debugging.
+        if os.environ.get("SERVELM_DEBUG") == "1":
+            logger.error("scheduler failed to start:\n%s", traceback.format_exc())
         with contextlib.suppress(Exception):
             ready_writer.send({"status": "error", "message": f"{type(exc).__name__}: {exc}"})
         sys.exit(1)
@@ -204,8 +206,13 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     ready_writer.close()
     try:
         loop.run_forever()
-    except Exception:
-        logger.critical("scheduler loop crashed:\n%s", traceback.format_exc())
+    except Exception as exc:
+        from servelm.distributed.failures import TPFailure
+
+        # A TPFailure is the consequence of a TP rank's death, and the one line naming that
+        # rank is already logged: a traceback of the consequence would only point elsewhere.
+        if not isinstance(exc, TPFailure):
+            logger.critical("scheduler loop crashed:\n%s", traceback.format_exc())
         os._exit(1)
     recv.close(0)
     send.close(0)

@@ -4,6 +4,7 @@ Public API (imported lazily so that e.g. `default_model_path` does not pull in t
 
     default_model_path() -> str                      # the embedded SmolLM2 GGUF
     load_model_source(path) -> ModelSource           # .config, .num_weights, .iter_weights(dtype)
+    check_model_path(path) -> (path, format)         # torch-free look at a path, before anything loads
     load_tokenizer(path, chat_template=None) -> PreTrainedTokenizerFast
 """
 
@@ -16,11 +17,12 @@ _EXPORTS = {
     "DEFAULT_MODEL_DIST": "default_model",
     "DefaultModelMissingError": "default_model",
     "default_model_path": "default_model",
-    "SUPPORTED_ARCHITECTURES": "source",
+    "SUPPORTED_ARCHITECTURES": "model_path",
     "ModelSource": "source",
-    "ModelSourceError": "source",
-    "ModelPathNotFoundError": "source",
-    "UnsupportedArchitectureError": "source",
+    "ModelSourceError": "model_path",
+    "ModelPathNotFoundError": "model_path",
+    "UnsupportedArchitectureError": "model_path",
+    "check_model_path": "model_path",
     "UnsupportedQuantizationError": "source",
     "load_model_source": "source",
     "load_tokenizer": "tokenizer",
@@ -35,6 +37,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "UnsupportedArchitectureError",
     "UnsupportedQuantizationError",
+    "check_model_path",
     "default_model_path",
     "load_model_source",
     "load_tokenizer",
@@ -46,15 +49,14 @@ if TYPE_CHECKING:
         DefaultModelMissingError,
         default_model_path,
     )
-    from servelm.model_loader.source import (
+    from servelm.model_loader.model_path import (
         SUPPORTED_ARCHITECTURES,
         ModelPathNotFoundError,
-        ModelSource,
         ModelSourceError,
         UnsupportedArchitectureError,
-        UnsupportedQuantizationError,
-        load_model_source,
+        check_model_path,
     )
+    from servelm.model_loader.source import ModelSource, UnsupportedQuantizationError, load_model_source
     from servelm.model_loader.tokenizer import load_tokenizer
 
 

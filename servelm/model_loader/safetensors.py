@@ -14,19 +14,11 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from servelm.model_loader.source import ModelSource, ModelSourceError, check_architecture
+from servelm.model_loader.model_path import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, read_hf_config
+from servelm.model_loader.source import ModelSource, ModelSourceError
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-
-# For config.json files without an "architectures" entry.
-_MODEL_TYPE_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
+SINGLE_FILE = SAFETENSORS_FILE
+INDEX_FILE = SAFETENSORS_INDEX_FILE
 
 def _weight_files(folder: str) -> dict[str, list[str]]:
     """Map each safetensors file (absolute path) to its tensor names, in file order."""
@@ -69,15 +61,8 @@ class SafetensorsModelSource(ModelSource):
 def load_hf_source(folder: str) -> SafetensorsModelSource:
     """Open a HF model folder: AutoConfig (local files only) and the safetensors tensor index."""
     config_path = os.path.join(folder, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelSourceError(f"Cannot read {config_path}: {e}") from e
-    # Check the architecture before AutoConfig, which fails obscurely on model types it does not know.
-    architecture = (raw.get("architectures") or [None])[0] or _MODEL_TYPE_ARCHITECTURES.get(raw.get("model_type"))
-    origin = f"config.json of {folder}"
-    check_architecture(architecture, origin if architecture else f"{origin} has no 'architectures'")
+    # The architecture is checked before AutoConfig, which fails obscurely on model types it does not know.
+    _, architecture = read_hf_config(folder)
     try:
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:

@@ -7,7 +7,6 @@ each one into its parameters without holding two copies of the model in memory.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,33 +15,15 @@ from typing import Literal
 import torch
 import transformers
 
-# Architectures (HF `config.architectures[0]`) the servelm model registry implements.
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
+# Re-exported: the torch-free path checks live in model_path.py.
+from servelm.model_loader.model_path import (  # noqa: F401
+    SUPPORTED_ARCHITECTURES,
+    ModelPathNotFoundError,
+    ModelSourceError,
+    UnsupportedArchitectureError,
+    check_architecture,
+    resolve_model_path,
 )
-
-
-class ModelSourceError(ValueError):
-    """A model path cannot be loaded; the message says what is wrong and what to do."""
-
-
-class ModelPathNotFoundError(ModelSourceError, FileNotFoundError):
-    """The model path does not exist or holds nothing servelm can load."""
-
-
-class UnsupportedArchitectureError(ModelSourceError):
-    """The model's architecture has no servelm implementation."""
-
-    def __init__(self, architecture: str, origin: str = "") -> None:
-        self.architecture = architecture
-        where = f" ({origin})" if origin else ""
-        super().__init__(
-            f"Unsupported model architecture {architecture!r}{where}. "
-            f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
 
 
 class UnsupportedQuantizationError(ModelSourceError):
@@ -86,46 +67,6 @@ class ModelSource(ABC):
     def architecture(self) -> str:
         """The HF architecture name, e.g. "LlamaForCausalLM"."""
         return self.config.architectures[0]
-
-
-def check_architecture(architecture: str | None, origin: str) -> str:
-    """Return `architecture` if servelm implements it, else raise UnsupportedArchitectureError."""
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitectureError(str(architecture), origin)
-    return architecture
-
-
-def resolve_model_path(path: str) -> tuple[str, Literal["gguf", "hf"]]:
-    """Classify `path` as a GGUF file or a HF folder; return (normalised path, format).
-
-    A folder without config.json that holds exactly one .gguf file resolves to that file.
-    """
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if not os.path.exists(path):
-        raise ModelPathNotFoundError(
-            f"Model path {path} does not exist. Pass a .gguf file or a Hugging Face model folder "
-            "(with config.json and *.safetensors); downloads from the Hub are not supported."
-        )
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return path, "gguf"
-        raise ModelPathNotFoundError(
-            f"Model path {path} is a file but not a .gguf file. Pass a .gguf file or a Hugging Face "
-            "model folder (with config.json and *.safetensors)."
-        )
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path, "hf"
-    ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-    if len(ggufs) == 1:
-        return os.path.join(path, ggufs[0]), "gguf"
-    if ggufs:
-        raise ModelPathNotFoundError(
-            f"Model folder {path} holds several .gguf files ({', '.join(ggufs)}); pass one of them."
-        )
-    raise ModelPathNotFoundError(
-        f"Model folder {path} has no config.json and no .gguf file. Pass a .gguf file or a Hugging "
-        "Face model folder (with config.json and *.safetensors)."
-    )
 
 
 def load_model_source(path: str) -> ModelSource:

@@ -16,7 +16,7 @@ import tempfile
 
 import transformers
 
-from servelm.model_loader.source import resolve_model_path
+from servelm.model_loader.model_path import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
