@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -15,6 +16,9 @@ from servelm.layers.sampler import SampleOutput, sample
 from servelm.model_executor.forward_batch import ForwardBatch, KVCache, StepInput
 from servelm.models.llama import head_dim_of
 from servelm.models.registry import resolve_model_class
+
+if TYPE_CHECKING:
+    from servelm.distributed.step_channel import StepSender
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +81,9 @@ class ModelRunner:
 
     With tp_size > 1, every rank builds its shard of the model; rank 0 (the one
     driven by the Scheduler) broadcasts each StepInput, the other ranks run
-    `follow()` and execute the same steps in lockstep.
+    `follow()` and execute the same steps in lockstep. While rank 0 has no step
+    to send, keep-alives hold the followers' wait under `--dist-timeout`
+    (servelm/distributed/step_channel.py), so an idle TP server never times out.
     """
 
     def __init__(self, server_args: ServerArgs, tp_rank: int = 0, source: Any = None) -> None:
@@ -88,6 +94,7 @@ class ModelRunner:
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
         self.workers: Any = None  # rank 0: this node's other TP ranks (TPWorkers), set by the Scheduler
+        self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
         set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
@@ -123,6 +130,8 @@ class ModelRunner:
                     config.architectures[0], str(self.dtype).removeprefix("torch."),
                     "oneDNN pre-packed linears" if self.fast_path else "eager linears", tp_note, self.load_seconds,
                     self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30)
+        if self.tp_size > 1 and tp_rank == 0:
+            self._start_step_sender()
 
     def _init_tp(self) -> None:
         from servelm.distributed.communicator import configure_all_reduce
@@ -133,6 +142,22 @@ class ModelRunner:
             raise ConfigError("--dist-init-addr host:port is required with --tp-size > 1")
         init_distributed(sa.tp_size, self.tp_rank, sa.dist_init_addr, sa.nnodes, sa.node_rank, sa.dist_timeout)
         configure_all_reduce(sa.quick_allreduce, sa.quick_allreduce_min_bytes, sa.enable_deterministic_inference)
+
+    def _start_step_sender(self) -> None:
+        """Rank 0: from now on (every start-up collective is done) steps and keep-alives go out."""
+        from servelm.distributed.step_channel import StepSender
+
+        self._sender = StepSender(self.server_args.dist_timeout, self._keep_alive_failed)
+
+    def _keep_alive_failed(self, exc: BaseException) -> None:
+        """A keep-alive broadcast failed: a rank died or left while rank 0 was idle.
+
+        Same policy as TPWorkers.watch: rank 0 never outlives a lost rank (its TP group can
+        run no step any more).
+        """
+        logger.critical("TP keep-alive failed, a TP rank died or stopped answering (%s: %s); shutting down",
+                        type(exc).__name__, exc)
+        os._exit(1)
 
     def _load_weights(self, source: Any) -> None:
         weights = tqdm(source.iter_weights(self.dtype), total=source.num_weights, desc="Loading weights",
@@ -168,16 +193,21 @@ class ModelRunner:
         fb.kv_cache = self.kv_cache
         return self.model(fb, gather_logits=gather_logits)
 
-    def execute(self, step: StepInput | None) -> SampleOutput | None:
-        """One scheduler step on this rank: forward over the mixed batch, then sample its rows.
+    def execute(self, step: StepInput) -> SampleOutput | None:
+        """One scheduler step: forward over the mixed batch, then sample its rows (called on rank 0).
 
-        Rank 0 passes the step and broadcasts it first; under TP the result is meaningful on rank 0.
+        Under TP the step goes to the followers first; the result is meaningful on rank 0.
         """
-        if self.tp_size > 1 and self.tp_rank == 0:
-            from servelm.distributed.parallel_state import broadcast_object
+        sender = self._sender
+        if sender is None:
+            return self._execute(step)
+        # Held across the whole step, so no keep-alive interleaves with the step's collectives.
+        with sender.lock:
+            sender.send(step)
+            return self._execute(step)
 
-            broadcast_object(step)
-        assert step is not None
+    def _execute(self, step: StepInput) -> SampleOutput | None:
+        """Run `step` on this rank (every rank runs every step, in the same order)."""
         fb = step.to_forward_batch(self.device)
         rows = step.sample_rows
         if self.tp_size > 1 and self.server_args.enable_tp_lm_head_all_to_all and rows:
@@ -208,18 +238,19 @@ class ModelRunner:
         return SampleOutput(token_ids.tolist(), [x for p in parts for x in p[0]], [x for p in parts for x in p[1]])
 
     def follow(self) -> None:
-        """Non-zero TP ranks: execute every step rank 0 broadcasts, until it broadcasts None."""
-        from servelm.distributed.parallel_state import broadcast_object
+        """Non-zero TP ranks: execute every step rank 0 sends (keep-alives skipped), until it closes."""
+        from servelm.distributed.step_channel import receive_steps
 
-        while (step := broadcast_object(None)) is not None:
-            self.execute(step)
+        for step in receive_steps():
+            self._execute(step)
 
     def shutdown(self) -> None:
         """Rank 0: release the followers from `follow()` and leave the process group."""
-        if self.tp_size > 1 and self.tp_rank == 0:
-            from servelm.distributed.parallel_state import broadcast_object, destroy_distributed
+        if self._sender is not None:
+            from servelm.distributed.parallel_state import destroy_distributed
 
-            broadcast_object(None)
+            self._sender.close()
+            self._sender = None
             destroy_distributed()
 
     def model_info(self) -> dict[str, Any]:
