@@ -1,6 +1,8 @@
-"""TP reliability over real gloo ranks: an idle TP server (and Engine) outlives --dist-timeout.
+"""TP reliability over real gloo ranks: an idle TP server (and Engine) outlives --dist-timeout, and a
+killed rank is named once while the server goes down with nothing left behind.
 
-The server test starts real `servelm serve` processes (a TP group of 2 on this CPU). Every wait is bounded.
+Each server test starts real `servelm serve` processes (a TP group of 2 or 3 on this CPU); the module
+takes about 2-3 minutes on a busy 2-core machine. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,6 +79,31 @@ def _channel_run(n_steps: int, timeout_s: float, seed: int) -> dict:
     return {"seen": seen, "keep_alives": sender.keep_alives_sent, "failures": [repr(f) for f in failures]}
 
 
+def _keep_alive_to_a_peer_that_left(timeout_s: float) -> dict | None:
+    """Rank 1 leaves the group (its sockets close, as when it dies); rank 0, idle, must hear of it
+    from a keep-alive, as a collective failure."""
+    from servelm.distributed.failures import first_line, is_collective_failure
+    from servelm.distributed.parallel_state import TPGroup, set_tp_group
+    from servelm.distributed.step_channel import StepSender
+
+    if get_tp_rank() != 0:
+        dist.destroy_process_group()
+        set_tp_group(TPGroup())
+        return None
+    failed = threading.Event()
+    failures: list[BaseException] = []
+
+    def on_failure(exc: BaseException) -> None:
+        failures.append(exc)
+        failed.set()
+
+    sender = StepSender(timeout_s, on_failure)
+    reported = failed.wait(30)
+    sender.stop()
+    return {"reported": reported, "collective": [is_collective_failure(f) for f in failures],
+            "errors": [first_line(f) for f in failures]}
+
+
 def test_keep_alives_fill_idle_gaps_and_never_split_a_step() -> None:
     n_steps, ws = 25, 2
     with World(ws) as world:
@@ -83,6 +112,9 @@ def test_keep_alives_fill_idle_gaps_and_never_split_a_step() -> None:
         assert results[0]["keep_alives"] >= 3  # ~25 gaps of up to 0.3 s, one keep-alive per idle 0.1 s
         for res in results:
             assert res["seen"] == [(s, [s] * ws, float(s * ws)) for s in range(n_steps)]
+        # The same world, broken on purpose (it is torn down right after).
+        lost = world.run(_keep_alive_to_a_peer_that_left, 0.4, timeout_s=60)[0]
+    assert lost["reported"] and lost["collective"] == [True], lost
 
 
 # ---------------------------------------------------------------- idle past the timeout
@@ -137,3 +169,60 @@ def test_idle_tp_server_and_engine_outlive_dist_timeout(tiny_tp_model: Path, tmp
         if engine.poll() is None:
             engine.kill()
             engine.wait(10)
+
+
+# ---------------------------------------------------------------- chaos: kill each rank under load
+
+def _stream_until_cut(base_url: str, chunks: list[str], started: threading.Event) -> None:
+    """A long streaming request; it ends when the server goes down."""
+    body = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
+    try:
+        with httpx.stream("POST", f"{base_url}/generate", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.strip():
+                    chunks.append(line)
+                    if len(chunks) >= 3:
+                        started.set()
+    except httpx.HTTPError:
+        pass
+    finally:
+        started.set()
+
+
+@pytest.mark.parametrize("victim", [1, 2, 0])
+def test_killed_rank_is_named_once_and_the_server_exits(victim: int, tiny_tp_model: Path, tmp_path: Path) -> None:
+    srv = ServerProcess(["--model-path", str(tiny_tp_model), "--tp-size", "3", "--dist-timeout", "60",
+                         "--max-total-tokens", "4096"], tmp_path / "server.log")
+    try:
+        srv.wait_ready(timeout=150)
+        pids = {int(rank): int(pid) for rank, pid in re.findall(r"Started TP rank (\d+) \(pid (\d+)\)", srv.log())}
+        assert sorted(pids) == [1, 2]
+        sched = psutil.Process(pids[1]).parent()
+        assert sched.ppid() == srv.proc.pid
+        pids[0] = sched.pid
+        family = srv.children()
+        chunks: list[str] = []
+        started = threading.Event()
+        threading.Thread(target=_stream_until_cut, args=(srv.base_url, chunks, started), daemon=True).start()
+        assert started.wait(60) and len(chunks) >= 3, srv.log()[-3000:]  # the request is running
+        killed_at = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        code = srv.proc.wait(timeout=30)  # far sooner than --dist-timeout: not a timeout's doing
+        assert code != 0
+        assert time.monotonic() - killed_at < 30
+        # Nothing left behind: the scheduler, the other ranks, multiprocessing's resource tracker.
+        _, alive = psutil.wait_procs(family, timeout=15)
+        assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+        log = srv.log()
+        assert "Traceback" not in log and "crashed" not in log, log[-4000:]
+        named = re.findall(r"TP rank (\d+) (?:died|lost its TP peers)[^\n]*", log)
+        if victim == 0:
+            # Rank 0 is the scheduler process: the API process reports it, and no worker is blamed.
+            assert named == [], log[-4000:]
+            assert "scheduler process died unexpectedly (exit code -9)" in log, log[-4000:]
+        else:
+            assert named == [str(victim)], log[-4000:]
+            assert f"TP rank {victim} died (exit code -9 / killed by SIGKILL); shutting down" in log
+    finally:
+        srv.stop(signal.SIGKILL)

@@ -7,12 +7,20 @@ its node here, before joining the rendezvous; on other nodes
 runs `ModelRunner.follow()`. Workers die with their parent, and rank 0 dies
 (with a clear log line) when a worker dies, so a lost rank never hangs the
 server.
+
+When a rank dies, the others' collectives fail too; those are consequences.
+A worker whose collective failed exits with `PEER_LOST_EXIT_CODE` after one
+short line, and rank 0 logs one line naming the rank that died
+(`TPWorkers.report_death`), however the news reached it first: its watcher
+thread, a failed step or a failed keep-alive.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
 import os
 import signal
 import socket
@@ -22,8 +30,18 @@ import time
 from multiprocessing.process import BaseProcess
 
 from servelm.config import ConfigError, ServerArgs
+from servelm.distributed.failures import PEER_LOST_EXIT_CODE, describe_exit, first_line, is_collective_failure
 
 logger = logging.getLogger(__name__)
+
+# How long rank 0 waits, once a TP collective failed or a worker exited as a mere witness
+# (PEER_LOST_EXIT_CODE), for the rank that really died to be seen exiting. A killed process's
+# sockets close as it exits, so on this node it is seen within milliseconds; the bound only
+# matters when the dead rank is on another node (or there is none: a bug on rank 0).
+_DEATH_GRACE_S = 5.0
+# multiprocessing.util.Finalize priority of `TPWorkers.expect_exit`: any priority >= 0 runs
+# before multiprocessing terminates the daemonic workers at exit.
+_EXIT_PRIORITY = 10
 
 
 def local_ranks(server_args: ServerArgs) -> range:
@@ -61,7 +79,11 @@ def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None
         runner.follow()
         destroy_distributed()  # pairs with rank 0's ModelRunner.shutdown()
     except Exception as exc:
-        logger.error("TP rank %d failed: %s: %s", tp_rank, type(exc).__name__, exc)
+        if is_collective_failure(exc):
+            # Another rank died or stopped answering: rank 0 names it. One line, no traceback.
+            logger.warning("stopping: a TP collective failed (%s)", first_line(exc))
+            os._exit(PEER_LOST_EXIT_CODE)
+        logger.error("TP rank %d failed: %s: %s", tp_rank, type(exc).__name__, exc, exc_info=True)
         os._exit(1)
     # A normal return (not os._exit) lets multiprocessing release this process's semaphores.
 
@@ -73,25 +95,75 @@ class TPWorkers:
         ctx = multiprocessing.get_context("spawn")
         self.procs: dict[int, BaseProcess] = {}
         self._stopping = False
+        self._report_lock = threading.Lock()
+        self._report: str | None = None
         for rank in ranks:
             proc = ctx.Process(target=_worker_main, args=(server_args, rank, os.getpid()), daemon=True,
                                name=f"servelm-tp{rank}")
             proc.start()
             self.procs[rank] = proc
+            logger.info("Started TP rank %d (pid %s)", rank, proc.pid)
+        # At interpreter exit (or at the end of a multiprocessing child, such as the server's
+        # scheduler process) multiprocessing terminates the daemonic workers: not a death.
+        self._at_exit = multiprocessing.util.Finalize(self, self.expect_exit, exitpriority=_EXIT_PRIORITY)
 
     def watch(self, on_death: str = "exit") -> None:
         """Start a thread that ends this process when any worker dies unexpectedly."""
-        def run() -> None:
-            while not self._stopping:
-                for rank, proc in self.procs.items():
-                    if proc.exitcode is not None and not self._stopping:
-                        logger.critical("TP rank %d died (exit code %s); shutting down", rank, proc.exitcode)
-                        if on_death == "exit":
-                            os._exit(1)
-                        return
-                time.sleep(0.2)
+        sentinels = [proc.sentinel for proc in self.procs.values()]
 
-        threading.Thread(target=run, name="tp-watch", daemon=True).start()
+        def run() -> None:
+            multiprocessing.connection.wait(sentinels)  # returns when a worker has ended
+            if self._stopping or self.report_death() is None:
+                return
+            if on_death == "exit":
+                os._exit(1)
+
+        if sentinels:
+            threading.Thread(target=run, name="tp-watch", daemon=True).start()
+
+    def report_death(self, grace_s: float = _DEATH_GRACE_S) -> str | None:
+        """Name the worker whose death broke the TP group, in one line logged once per process.
+
+        Returns that line (also to later callers), or None when no worker of this node ended
+        within `grace_s` (the failure came from elsewhere) or their exit is expected. Workers
+        that exited with PEER_LOST_EXIT_CODE only witnessed a death: the rank that died is
+        preferred, and waited for up to `grace_s`.
+        """
+        with self._report_lock:
+            if self._report is None and not self._stopping:
+                found = self._find_dead_rank(grace_s)
+                if found is None or self._stopping:
+                    return None
+                rank, code = found
+                if code == PEER_LOST_EXIT_CODE:  # the rank that died is not on this node
+                    self._report = f"TP rank {rank} lost its TP peers ({describe_exit(code)}); shutting down"
+                else:
+                    self._report = f"TP rank {rank} died ({describe_exit(code)}); shutting down"
+                logger.critical("%s", self._report)
+            return self._report
+
+    def _find_dead_rank(self, grace_s: float) -> tuple[int, int] | None:
+        """(rank, exit code) of the worker that died, waiting up to `grace_s` for one to end."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            ended: dict[int, int] = {}
+            for rank, proc in self.procs.items():
+                if (code := proc.exitcode) is not None:
+                    ended[rank] = code
+            culprits = sorted(rank for rank, code in ended.items() if code != PEER_LOST_EXIT_CODE)
+            if culprits:
+                return culprits[0], ended[culprits[0]]
+            running = {proc.sentinel: proc for proc in self.procs.values() if proc.exitcode is None}
+            left = deadline - time.monotonic()
+            if not running or left <= 0:
+                if not ended:
+                    return None
+                witness = min(ended)
+                return witness, ended[witness]
+            for sentinel in multiprocessing.connection.wait(list(running), left):
+                # The process closed its last descriptor, so it is exiting: reap it (its exit
+                # code is only known once it is a zombie, a moment later).
+                running[sentinel].join(max(0.0, deadline - time.monotonic()))
 
     def join_all(self) -> int:
         """Wait for every worker; returns the first non-zero exit code (0 when all ended cleanly)."""
@@ -107,6 +179,7 @@ class TPWorkers:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping = True
+        self._at_exit.cancel()
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))

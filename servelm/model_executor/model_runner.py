@@ -153,11 +153,23 @@ class ModelRunner:
         """A keep-alive broadcast failed: a rank died or left while rank 0 was idle.
 
         Same policy as TPWorkers.watch: rank 0 never outlives a lost rank (its TP group can
-        run no step any more).
+        run no step any more), and it names the dead rank when it is one of this node's.
         """
-        logger.critical("TP keep-alive failed, a TP rank died or stopped answering (%s: %s); shutting down",
-                        type(exc).__name__, exc)
+        if self._report_dead_rank(exc) is None:
+            from servelm.distributed.failures import first_line
+
+            logger.critical("TP keep-alive failed, a TP rank on another node died or stopped answering (%s); "
+                            "shutting down", first_line(exc))
         os._exit(1)
+
+    def _report_dead_rank(self, exc: BaseException) -> str | None:
+        """When `exc` is a failed collective and one of this node's ranks died: the (once) logged
+        line naming it. None when the failure is not that (a bug here, or a rank elsewhere)."""
+        from servelm.distributed.failures import is_collective_failure
+
+        if self.workers is None or not is_collective_failure(exc):
+            return None
+        return self.workers.report_death()
 
     def _load_weights(self, source: Any) -> None:
         weights = tqdm(source.iter_weights(self.dtype), total=source.num_weights, desc="Loading weights",
@@ -196,15 +208,24 @@ class ModelRunner:
     def execute(self, step: StepInput) -> SampleOutput | None:
         """One scheduler step: forward over the mixed batch, then sample its rows (called on rank 0).
 
-        Under TP the step goes to the followers first; the result is meaningful on rank 0.
+        Under TP the step goes to the followers first; the result is meaningful on rank 0. A
+        step that fails because another rank died raises TPFailure, whose message names that
+        rank and is already logged (the collective's own error is only a consequence).
         """
         sender = self._sender
         if sender is None:
             return self._execute(step)
         # Held across the whole step, so no keep-alive interleaves with the step's collectives.
         with sender.lock:
-            sender.send(step)
-            return self._execute(step)
+            try:
+                sender.send(step)
+                return self._execute(step)
+            except Exception as exc:
+                if (line := self._report_dead_rank(exc)) is not None:
+                    from servelm.distributed.failures import TPFailure
+
+                    raise TPFailure(line) from exc
+                raise
 
     def _execute(self, step: StepInput) -> SampleOutput | None:
         """Run `step` on this rank (every rank runs every step, in the same order)."""
