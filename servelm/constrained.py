@@ -47,6 +47,39 @@ def check_schema_depth(schema: Any, param: str = "json_schema") -> None:
         stack.extend((child, depth + 1) for child in children)
 
 
+# Keywords whose value is a subschema or a list of them, or a name -> subschema map.
+_SUBSCHEMAS = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedItems", "additionalItems", "anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_schema(schema: Any, close: bool = True) -> Any:
+    """A copy of `schema` where every object that declares `properties` forbids undeclared ones, unless it
+    says otherwise (`additionalProperties` or `unevaluatedProperties` given), as vLLM's default grammar
+    backend compiles schemas: JSON Schema's own default lets a weak model invent keys until max_tokens.
+
+    Objects without `properties` (e.g. `{"type": "object"}`, json_object mode) stay open, and so do the
+    branches of an `allOf` themselves (each names only part of the object's properties).
+    """
+    if isinstance(schema, list):
+        return [strict_schema(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict_schema(out[key])
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = strict_schema(out["allOf"], close=False)
+    if close and isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_of(json_schema: str | None, regex: str | None) -> str | None:
     """The llguidance grammar of a request's constraint, or None when it has none.
 
@@ -68,7 +101,8 @@ def grammar_of(json_schema: str | None, regex: str | None) -> str | None:
         if not isinstance(schema, dict):
             raise ValueError("json_schema: a JSON schema must be a JSON object")
         check_schema_depth(schema)
-        grammar, param = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), "json_schema"
+        grammar = LLMatcher.grammar_from_json_schema(strict_schema(schema), defaults=JSON_OPTIONS)
+        param = "json_schema"
     else:
         grammar, param = LLMatcher.grammar_from_regex(regex), "regex"  # type: ignore[arg-type]
     error = LLMatcher.validate_grammar(grammar)

@@ -299,12 +299,27 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
                                        parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=4, n=3)
     assert [len(c.message.tool_calls) for c in r.choices] == [1, 1, 1]
 
-    # Streamed: the whole call arrives in one delta with the finish reason.
+    # Streamed: the call starts with its id and name, then its arguments arrive piece by piece (as vLLM).
     chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice=named,
                                                  max_tokens=64, temperature=0, stream=True))
-    deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0].finish_reason == "stop"
-    assert deltas[0].delta.tool_calls[0].function.arguments == call_args(client, ask, named)
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id.startswith("call-") and deltas[0].function.name == "get_weather"
+    assert len(deltas) > 3 and all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert "".join(d.function.arguments for d in deltas) == call_args(client, ask, named)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    # "required" streams each call of the list the same way, by index.
+    chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER, TIME], n=2, seed=3,
+                                                 tool_choice="required", max_tokens=200, temperature=1.0, stream=True))
+    whole = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER, TIME], n=2, seed=3,
+                                           tool_choice="required", max_tokens=200, temperature=1.0)
+    for choice in whole.choices:
+        streamed: dict[int, list[str]] = {}
+        for c in chunks:
+            for d in (c.choices[0].delta.tool_calls or []) if c.choices and c.choices[0].index == choice.index else []:
+                entry = streamed.setdefault(d.index, [d.function.name, ""])
+                entry[1] += d.function.arguments or ""
+        assert [(e[0], json.loads(e[1])) for e in streamed.values()] == \
+            [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls]
 
     # Cut off by max_tokens, a "required" list reads as no call: the text stays visible as the content.
     cut = client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice="required",
@@ -312,11 +327,12 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert cut.choices[0].message.content.startswith("[")
 
-    # Streamed with logprobs: the final chunk carries those of every token of the call.
+    # Streamed with logprobs: each piece of the arguments comes with its tokens' logprobs.
     chunks = list(client.chat.completions.create(model="tiny", messages=ask, tools=[WEATHER], tool_choice=named,
                                                  max_tokens=64, temperature=0, stream=True, logprobs=True))
-    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][0]
-    assert "".join(t.token for t in last.logprobs.content) == last.delta.tool_calls[0].function.arguments
+    pieces = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs]
+    assert "".join(t.token for p in pieces for t in p.logprobs.content) == \
+        "".join(d.function.arguments or "" for p in pieces for d in p.delta.tool_calls or [])
 
     # The conversation goes on with the tool's result.
     follow = ask + [{"role": "assistant", "content": None, "tool_calls": [msg.tool_calls[0].model_dump()]},
@@ -324,6 +340,36 @@ def test_tool_calls_named_and_required(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER], tool_choice="none",
                                        max_tokens=4, temperature=0)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_schemas_are_strict_unless_they_say_otherwise(client: openai.OpenAI) -> None:
+    """As vLLM: an object that declares properties takes no others (JSON Schema's default would let the model
+    invent keys until max_tokens); an explicit additionalProperties is honoured; json_object may carry a schema."""
+    loose = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": loose}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, response_format=fmt, n=4,
+                                       temperature=1.0, seed=5)
+    for c in r.choices:
+        assert c.finish_reason == "stop" and set(json.loads(c.message.content)) == {"ok"}, c.message.content
+    tool = {"type": "function", "function": {"name": "f", "parameters": loose}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, tools=[tool], n=4,
+                                       tool_choice="required", temperature=1.0, seed=5)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        assert [set(json.loads(t.function.arguments)) for t in c.message.tool_calls] == [{"ok"}] * len(
+            c.message.tool_calls)
+    # json_object with a schema (llama.cpp, Together and old instructor send it): enforced.
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, n=4, temperature=1.0, seed=5,
+                                       response_format={"type": "json_object", "schema": loose})
+    for c in r.choices:
+        assert c.finish_reason == "stop" and set(json.loads(c.message.content)) == {"ok"}, c.message.content
+    # Explicitly open: other keys are allowed (a random model writes some, given room).
+    open_schema = {**loose, "additionalProperties": {"type": "integer"}}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=64, n=8, temperature=1.0, seed=5,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "o", "schema": open_schema}})
+    keys = [set(json.loads(c.message.content)) for c in r.choices if c.finish_reason == "stop"]
+    assert any(k - {"ok"} for k in keys), keys
 
 
 def test_tool_choice_auto_reads_the_models_own_calls(client: openai.OpenAI) -> None:

@@ -1,4 +1,5 @@
-"""Tool-call planning and the hermes parser, without a model (the server tests drive them end to end)."""
+"""Tool-call planning, the hermes parser, streamed constrained calls and strict schemas, without a model (the
+server tests drive them end to end)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import random
 import jinja2
 import pytest
 
+from servelm.constrained import strict_schema
 from servelm.entrypoints.openai_protocol import ChatMessage, ChatTool, NamedToolChoice
 from servelm.entrypoints.tool_calls import (
     AUTO_UNSUPPORTED,
+    ConstrainedCallStream,
     HermesStream,
     parse_hermes,
     plan_tool_calls,
@@ -95,3 +98,53 @@ def test_tool_history_reaches_templates_as_objects() -> None:
         {"id": "c", "type": "function", "function": {"name": "w", "arguments": "{oops"}}]})]
     with pytest.raises(ValueError, match="not valid JSON"):
         template_messages(bad)
+
+
+# ------------------------------------------------------------ streaming constrained calls
+def stream_all(scan: ConstrainedCallStream, text: str, step: int) -> list[tuple[int, str | None, str]]:
+    """(index, name, arguments) per call, from the deltas of `text` fed `step` characters at a time."""
+    calls: dict[int, list] = {}
+    for i in range(0, len(text), step):
+        for d in scan.feed(text[i:i + step]):
+            if d.id is not None:
+                assert d.index not in calls and d.type == "function" and d.function.name
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += d.function.arguments or ""
+    return [(k, name, args) for k, (name, args) in calls.items()]
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 1000])
+def test_required_list_streams_each_call_by_index(step: int) -> None:
+    args0 = '{"city": "Pa\\"ris}", "n": {"x": [1, 2]}}'
+    text = f'[{{"name": "get_weather", "parameters": {args0}}}, {{"name": "t", "parameters": {{}}}}]'
+    assert stream_all(ConstrainedCallStream(None), text, step) == [(0, "get_weather", args0), (1, "t", "{}")]
+
+
+def test_required_list_cut_off_streams_what_is_there() -> None:
+    scan = ConstrainedCallStream(None)
+    assert stream_all(scan, '[{"name": "get_wea', 3) == []  # no name yet: nothing to send
+    assert stream_all(scan, 'ther", "parameters": {"ci', 4) == [(0, "get_weather", '{"ci')]
+
+
+def test_named_call_streams_its_arguments_as_written() -> None:
+    assert stream_all(ConstrainedCallStream("f"), '{"a": 1}', 3) == [(0, "f", '{"a": 1}')]
+
+
+def test_strict_schema_closes_declared_objects_only() -> None:
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "list": {"type": "array", "items": {"properties": {"x": {}}}},
+        "open": {"properties": {"y": {}}, "additionalProperties": True},
+        "free": {"type": "object"}},
+        "$defs": {"D": {"properties": {"q": {}}}},
+        "allOf": [{"properties": {"a": {}}}, {"properties": {"k": {"properties": {"z": {}}}}}]}
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False
+    props = out["properties"]
+    assert props["a"]["additionalProperties"] is False and props["list"]["items"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True and "additionalProperties" not in props["free"]
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    # allOf branches each name part of the object: they stay open, what they nest does not.
+    assert "additionalProperties" not in out["allOf"][0]
+    assert out["allOf"][1]["properties"]["k"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's own schema is left as it was

@@ -78,7 +78,12 @@ from servelm.entrypoints.openai_protocol import (
     UsageInfo,
     random_id,
 )
-from servelm.entrypoints.tool_calls import HermesStream, plan_tool_calls, template_messages
+from servelm.entrypoints.tool_calls import (
+    ConstrainedCallStream,
+    HermesStream,
+    plan_tool_calls,
+    template_messages,
+)
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import (
@@ -244,7 +249,7 @@ def _json_schema_of(fmt: ResponseFormat | None) -> str | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return '{"type": "object"}'
+        return '{"type": "object"}' if fmt.schema_ is None else json.dumps(fmt.schema_)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise _bad("response_format: type json_schema needs json_schema.schema", "response_format")
     return json.dumps(fmt.json_schema.schema_)
@@ -535,29 +540,39 @@ def build_app(state: ServerState) -> FastAPI:
             created = int(time.time())
             started: set[int] = set()
             hermes: dict[int, HermesStream] = {}
+            constrained_calls: dict[int, ConstrainedCallStream] = {}
 
             def chunk(choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
                 return _sse(ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices,
                                                 usage=usage))
 
             def render_tool_calls(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
-                """Tool mode: the calls, whole, in one delta once the output is done (with the logprobs of all
-                its tokens, if asked). Under auto, the text before the model starts a call streams as content."""
+                """Tool mode. A named function or "required": each call starts once its name is known and its
+                arguments stream as they are written (with their tokens' logprobs, if asked). Auto: the text
+                before the model starts a call streams as content; the calls go whole in the last delta."""
                 assert tools is not None
-                if tools.auto:
-                    parser = hermes.setdefault(index, HermesStream())
-                    content: str | None = parser.feed(out.text)
-                    if out.finish_reason is None:
-                        if content:
-                            yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content))])
-                        return
-                    rest, found = parser.finish()
-                    calls, finish, rest = with_calls(rest, found, acc)
-                    content = (content or "") + (rest or "") or None
-                elif out.finish_reason is None:
+                if not tools.auto:
+                    scan = constrained_calls.setdefault(index, ConstrainedCallStream(tools.named))
+                    deltas = scan.feed(out.text)
+                    content = finish = None
+                    if out.finish_reason is not None:
+                        calls, finish, content = tool_calls_of(acc)
+                        if scan.calls:  # calls went out already; a cut-off list is not also sent as text
+                            content = None
+                    if deltas or content or finish or (params.logprobs and out.logprobs):
+                        yield chunk([ChatCompletionStreamChoice(
+                            index=index, finish_reason=finish, logprobs=chat_logprobs(out) if params.logprobs else None,
+                            delta=DeltaMessage(content=content, tool_calls=deltas or None))])
                     return
-                else:
-                    calls, finish, content = tool_calls_of(acc)
+                parser = hermes.setdefault(index, HermesStream())
+                content = parser.feed(out.text)
+                if out.finish_reason is None:
+                    if content:
+                        yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content))])
+                    return
+                rest, found = parser.finish()
+                calls, finish, rest = with_calls(rest, found, acc)
+                content = (content or "") + (rest or "") or None
                 yield chunk([ChatCompletionStreamChoice(
                     index=index, finish_reason=finish, logprobs=chat_logprobs(acc) if params.logprobs else None,
                     delta=DeltaMessage(content=content, tool_calls=[

@@ -122,6 +122,10 @@ class ResponseFormat(_Request):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # json_object with a schema (llama.cpp, Together and instructor <= 1.3 send it): the schema is enforced.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    _depth = field_validator("schema_")(_bounded_schema)
 
 
 class FunctionDefinition(_Request):
@@ -263,8 +267,18 @@ class ToolCall(_Response):
     function: FunctionCall
 
 
-class DeltaToolCall(ToolCall):
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None  # the next piece of the JSON text
+
+
+class DeltaToolCall(_Response):
+    """One piece of a streamed call: the first carries id, type and name; later ones more arguments."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class ChatResponseMessage(_Response):

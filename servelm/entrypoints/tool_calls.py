@@ -19,6 +19,8 @@ from typing import Any
 from servelm.entrypoints.openai_protocol import (
     ChatMessage,
     ChatTool,
+    DeltaFunctionCall,
+    DeltaToolCall,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
@@ -83,6 +85,112 @@ class HermesStream:
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """At the end: (the content not sent yet, the calls); everything unsent starts at the first call."""
         return parse_hermes(self.text[self.sent:])
+
+
+@dataclass
+class _CallScan:
+    """Where one call of a "required" list stands in the text."""
+
+    name: str | None = None
+    args_start: int | None = None  # index of the `{` that opens its parameters
+    args_end: int | None = None  # index just past the matching `}`
+    args_sent: int = 0  # index up to which its arguments were streamed
+    started: bool = False  # its first delta (id, name) was sent
+
+
+@dataclass
+class ConstrainedCallStream:
+    """Streams the calls of a constrained output as they are written (as vLLM streams them): a named
+    function's output is its arguments, so every delta goes out as more arguments; a "required" list
+    (`[{"name": ..., "parameters": {...}}, ...]`) is scanned character by character, and each call starts
+    once its name is complete, then its parameters' text follows as it grows."""
+
+    named: str | None
+    text: str = ""
+    calls: list[_CallScan] = field(default_factory=list)
+    _pos: int = 0
+    _depth: int = 0
+    _in_string: bool = False
+    _escape: bool = False
+    _string_start: int = 0
+    _key: str | None = None
+    _expect_value: bool = False
+
+    def feed(self, delta: str) -> list[DeltaToolCall]:
+        """Add new output; return the deltas that can be sent now."""
+        if self.named is not None:
+            out = []
+            if not self.calls:
+                self.calls.append(_CallScan(name=self.named, started=True))
+                out.append(DeltaToolCall(index=0, id=random_id("call"), type="function",
+                                         function=DeltaFunctionCall(name=self.named, arguments="")))
+            if delta:
+                out.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta)))
+            return out
+        self.text += delta
+        self._scan()
+        return self._deltas()
+
+    def _scan(self) -> None:
+        text = self.text
+        for i in range(self._pos, len(text)):
+            c = text[i]
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+                    self._string_done(text[self._string_start:i + 1])
+                continue
+            if c == '"':
+                self._in_string, self._string_start = True, i
+            elif c in "{[":
+                self._depth += 1
+                if self._depth == 2 and c == "{":
+                    self.calls.append(_CallScan())
+                    self._key, self._expect_value = None, False
+                elif self._depth == 3 and self._key == "parameters" and self.calls:
+                    self.calls[-1].args_start = self.calls[-1].args_sent = i
+            elif c in "}]":
+                if self._depth == 3 and self._key == "parameters" and self.calls:
+                    self.calls[-1].args_end = i + 1
+                self._depth -= 1
+            elif self._depth == 2 and c == ":":
+                self._expect_value = True
+            elif self._depth == 2 and c == ",":
+                self._key, self._expect_value = None, False
+        self._pos = len(text)
+
+    def _string_done(self, literal: str) -> None:
+        if self._depth != 2 or not self.calls:
+            return
+        try:
+            value = json.loads(literal)
+        except json.JSONDecodeError:
+            return
+        if not self._expect_value:
+            self._key = value
+        elif self._key == "name":
+            self.calls[-1].name = str(value)
+
+    def _deltas(self) -> list[DeltaToolCall]:
+        out = []
+        for k, call in enumerate(self.calls):
+            if call.name is None:
+                break  # calls start in order: a later one waits for this one's name
+            if not call.started:
+                call.started = True
+                out.append(DeltaToolCall(index=k, id=random_id("call"), type="function",
+                                         function=DeltaFunctionCall(name=call.name, arguments="")))
+            if call.args_start is not None:
+                end = call.args_end if call.args_end is not None else len(self.text)
+                if end > call.args_sent:
+                    out.append(DeltaToolCall(index=k, function=DeltaFunctionCall(
+                        arguments=self.text[call.args_sent:end])))
+                    call.args_sent = end
+        return out
 
 
 @dataclass
