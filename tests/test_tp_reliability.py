@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -133,6 +134,12 @@ print(json.dumps({"before": before, "after": after}), flush=True)
 """
 
 
+def _readline(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The next line of `proc`'s stdout, waiting at most `timeout_s` (never forever)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline() if ready else ""
+
+
 def _generate(srv: ServerProcess) -> list[int]:
     r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY}, timeout=60)
     assert r.status_code == 200, r.text
@@ -143,29 +150,34 @@ def test_idle_tp_server_and_engine_outlive_dist_timeout(tiny_tp_model: Path, tmp
     """Before the keep-alives, the followers' wait for the next step timed out after --dist-timeout
     idle seconds: the worker died and took the server (and the Engine's process) down with it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
-    engine = subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT, str(tiny_tp_model), str(DIST_TIMEOUT_S),
-                               json.dumps(GREEDY), json.dumps(PROMPT)], cwd=REPO_ROOT, env=env, text=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    srv = ServerProcess(["--model-path", str(tiny_tp_model), "--tp-size", "2", "--dist-timeout",
-                         str(DIST_TIMEOUT_S), "--max-total-tokens", "2048"], tmp_path / "server.log")
+    engine_log = tmp_path / "engine.log"
+    with open(engine_log, "wb") as stderr:  # a file, not a pipe nobody drains while idle
+        engine = subprocess.Popen([sys.executable, "-c", _ENGINE_SCRIPT, str(tiny_tp_model), str(DIST_TIMEOUT_S),
+                                   json.dumps(GREEDY), json.dumps(PROMPT)], cwd=REPO_ROOT, env=env, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr)
+    srv: ServerProcess | None = None
     try:
+        srv = ServerProcess(["--model-path", str(tiny_tp_model), "--tp-size", "2", "--dist-timeout",
+                             str(DIST_TIMEOUT_S), "--max-total-tokens", "2048"], tmp_path / "server.log")
         srv.wait_ready(timeout=120)
         before = _generate(srv)
-        assert engine.stdout.readline().strip() == "ready", engine.stderr.read() if engine.poll() else ""
+        assert _readline(engine, 120).strip() == "ready", engine_log.read_text()[-3000:]
         # Both TP groups are now idle, their followers waiting for the next step since before
         # this point: without keep-alives, that wait times out within DIST_TIMEOUT_S.
         time.sleep(DIST_TIMEOUT_S + 3)
         assert srv.proc.poll() is None, srv.log()[-3000:]
         assert _generate(srv) == before
-        out, err = engine.communicate("go\n", timeout=60)
-        assert engine.returncode == 0, err[-3000:]
+        out, _ = engine.communicate("go\n", timeout=60)
+        assert engine.returncode == 0, engine_log.read_text()[-3000:]
         result = json.loads(out.strip().splitlines()[-1])
         assert result["after"] == result["before"] == before  # same tiny model, TP=2 both
         # A clean stop is no death either (the followers are terminated at exit, keep-alives stopped first).
         assert srv.stop(signal.SIGTERM) == 0
-        assert not re.search(r"died|lost its|keep-alive failed|Traceback", srv.log()), srv.log()[-3000:]
+        for log in (srv.log(), engine_log.read_text()):
+            assert not re.search(r"died|lost its|keep-alive failed|Traceback", log), log[-3000:]
     finally:
-        srv.stop(signal.SIGKILL)
+        if srv is not None:
+            srv.stop(signal.SIGKILL)
         if engine.poll() is None:
             engine.kill()
             engine.wait(10)
