@@ -67,8 +67,10 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise SamplingParamsError(param, msg)
 
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad("max_tokens", f"max_tokens must be at least 1, got {self.max_new_tokens}")
+        # 0 only prefills: it scores the prompt (prompt_logprobs) and generates nothing, as legacy OpenAI
+        # completions with echo and SGLang's native API allow; the chat API asks for at least 1 itself.
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            bad("max_tokens", f"max_tokens must be non-negative, got {self.max_new_tokens}")
         if self.min_new_tokens < 0 or self.min_new_tokens > self.max_new_tokens:
             bad("min_tokens", f"min_tokens must be in [0, max_tokens], got {self.min_new_tokens}")
         if self.temperature < 0:

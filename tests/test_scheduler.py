@@ -217,3 +217,23 @@ def test_flush_cache() -> None:
     assert s.cache.cached_pages > 0
     assert s.flush_cache()
     assert s.cache.cached_pages == 0 and s.allocator.num_free_pages == s.allocator.num_pages
+
+
+@pytest.mark.parametrize("chunk", [3, 512])
+def test_max_new_tokens_zero_only_scores_the_prompt(chunk: int) -> None:
+    """max_new_tokens 0 (completions echo scoring): the prompt is prefilled (in chunks) and scored, nothing
+    is sampled, the request ends with "length" and its KV goes to the cache."""
+    s = make(chunked_prefill_size=chunk)
+    prompt = prompts(1, seed=3, lo=10, hi=10)[0]
+    s.add_request(gen_req("z", prompt, 0, prompt_logprobs=True))
+    s.add_request(gen_req("g", prompt, 2))
+    outs = {}
+    while s.has_work():
+        for o in s.step():
+            outs[o.rid] = o
+        s.check_integrity()
+    z = outs["z"]
+    assert z.token_ids == [] and z.completion_tokens == 0 and z.finish_reason == {"type": "length", "matched": None}
+    assert len(z.prompt_logprobs) == len(prompt) and z.prompt_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in z.prompt_logprobs[1:])
+    assert len(outs["g"].token_ids) == 2 and s.in_use_pages() == 0

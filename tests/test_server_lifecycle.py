@@ -20,7 +20,7 @@ from tests.server_fixtures import SLOW_START_ENV, STEP_DELAY_ENV, ServerProcess,
 
 MESSAGES = [{"role": "user", "content": "Write a long poem."}]
 TINY_ARGS = ["--disable-torch-compile", "--max-total-tokens", "8192"]
-CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{{ tail | default('') }}"
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
@@ -64,6 +64,11 @@ def test_chat_template_override_and_request_log(guarded_server: ServerProcess) -
     ids = httpx.post(f"{url}/v1/tokenize", headers=headers,
                      json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
     assert httpx.post(f"{url}/v1/detokenize", headers=headers, json={"tokens": ids}).json()["prompt"] == "<<hi>>"
+    # chat_template_kwargs (vLLM/SGLang) reach the template as its variables.
+    with_tail = httpx.post(f"{url}/v1/tokenize", headers=headers, json={
+        "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tail": "!!"}}).json()["tokens"]
+    assert httpx.post(f"{url}/v1/detokenize", headers=headers, json={"tokens": with_tail}).json()["prompt"] == \
+        "<<hi>>!!"
     r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=30,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "rid": "logged-req"})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)

@@ -204,6 +204,17 @@ def test_completion_logprobs_and_echo(server: ServerProcess, client: openai.Open
     # Without echo, only the completion is scored.
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, logprobs=2, **greedy())
     assert len(plain.choices[0].logprobs.tokens) == 4
+    # max_tokens 0 with echo scores the prompt only (what loglikelihood evaluations send), as legacy OpenAI.
+    for stream in (False, True):
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=1, echo=True,
+                                        stream=stream, temperature=0)
+        choice = got.choices[0] if not stream else [c.choices[0] for c in got if c.choices][0]
+        assert choice.text == prompt and choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    zero = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert zero.choices[0].finish_reason == "length" and zero.usage.completion_tokens == 0
+    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": prompt, "max_tokens": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "echo" in r.text
 
 
 def test_native_generate_tokenize_detokenize(server: ServerProcess) -> None:
@@ -450,6 +461,18 @@ BAD_REQUESTS = [
      400, "tool_choice"),
     (CHAT, {"messages": MSG, "tools": [WEATHER], "tool_choice": "required",
             "response_format": {"type": "json_object"}}, 400, "response_format"),
+    # Unknown fields are named, never dropped (a misspelt max_tokens would run with the default).
+    (CMPL, {"prompt": "hi", "max_token": 3}, 400, "max_token"),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "maxtokens": 2, "temprature": 0}, 400, "maxtokens"),
+    (CHAT, {"messages": MSG, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/generate", {"text": "hi", "return_logprob": True}, 400, "return_logprob"),
+    ("/v1/tokenize", {"prompt": "hi", "add_bos": True}, 400, "add_bos"),
+    # A text-only model says so instead of dropping the image.
+    (CHAT, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "messages"),
+    (CHAT, {"messages": MSG, "modalities": ["text", "audio"]}, 400, "modalities"),
+    (CMPL, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
 ]
 
 
@@ -466,6 +489,25 @@ def test_bad_input_is_4xx_in_openai_shape(server: ServerProcess, path: str, body
     assert err["param"] == param and err["message"]
     if param not in ("body",):
         assert param.split(".")[-1] in err["message"] or "context length" in err["message"]
+
+
+def test_unknown_fields_are_named(server: ServerProcess, client: openai.OpenAI) -> None:
+    r = httpx.post(f"{server.base_url}{CMPL}", json={"prompt": "hi", "max_token": 3}, timeout=30)
+    assert r.json()["error"]["message"] == "Unrecognized request argument supplied: max_token"
+    r = httpx.post(f"{server.base_url}{CHAT}", json={"messages": MSG, "b": 1, "a": 2}, timeout=30)
+    assert r.json()["error"]["message"] == "Unrecognized request arguments supplied: b, a"
+    r = httpx.post(f"{server.base_url}{CHAT}", json={"messages": MSG, "guided_regex": "a"}, timeout=30)
+    assert r.json()["error"]["message"] == "'guided_regex': a vLLM/SGLang extension that servelm does not support yet"
+    # OpenAI's own fields that change nothing here, and the extensions servelm implements, are accepted.
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, user="u1", store=False,
+                                       metadata={"k": "v"}, service_tier="auto", modalities=["text"],
+                                       extra_body={"top_k": 5, "min_p": 0.1, "ignore_eos": True,
+                                                   "repetition_penalty": 1.1, "skip_special_tokens": True,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.usage.completion_tokens == 2
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=2, user="u1", best_of=1,
+                                  extra_body={"top_k": 5, "min_tokens": 1, "regex": "[a-z ]+"})
+    assert r.choices[0].text
 
 
 def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:

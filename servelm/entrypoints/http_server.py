@@ -77,6 +77,7 @@ from servelm.entrypoints.openai_protocol import (
     TopLogprob,
     UsageInfo,
     random_id,
+    unknown_fields_message,
 )
 from servelm.entrypoints.tool_calls import (
     ConstrainedCallStream,
@@ -315,6 +316,19 @@ def _usage(prompt_lens: list[int], accs: list[_Accumulated], n: int) -> UsageInf
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+def check_text_only(req: ChatCompletionRequest) -> None:
+    """A 400 for what a text-only model cannot take: image/audio/file content parts, audio output."""
+    if req.audio is not None or any(m != "text" for m in req.modalities or []):
+        raise _bad("This model generates text only: modalities other than 'text' and audio output are not "
+                   "supported", "audio" if req.audio is not None else "modalities")
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type != "text":
+                    raise _bad(f"messages.{i}.content.{j}: this model takes text only; content of type "
+                               f"'{part.type}' (images, audio, files) is not supported", "messages")
+
+
 # ------------------------------------------------------------- the app
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI app over `state` (its lifespan starts/stops the scheduler link)."""
@@ -347,6 +361,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
+        # Unknown top-level fields first: a misspelt field is the likely cause of anything else.
+        unknown = [str(e["loc"][1]) for e in errors if e.get("type") == "extra_forbidden" and len(e["loc"]) == 2]
+        if unknown:
+            return error_response(400, unknown_fields_message(unknown), param=unknown[0])
         first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "invalid_text":  # the whole body was checked: the message has the path
@@ -496,6 +514,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise _bad("messages must be a non-empty list of messages", "messages")
         if req.top_logprobs and not req.logprobs:
             raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
+        check_text_only(req)
         try:
             tools = plan_tool_calls(req.tools, req.tool_choice, args.tool_call_parser,
                                     parallel=req.parallel_tool_calls is not False)
@@ -509,11 +528,16 @@ def build_app(state: ServerState) -> FastAPI:
             raise _bad(str(exc), "messages") from None
         try:
             ids = manager.chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
-                                          [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
+                                          [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                                          req.chat_template_kwargs)
         except Exception as exc:  # jinja errors (e.g. roles out of order) are the request's fault
             raise _bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
         check_ids(ids, "messages")
         use_completion_tokens = req.max_completion_tokens is not None
+        limit_param = "max_completion_tokens" if use_completion_tokens else "max_tokens"
+        limit = req.max_completion_tokens if use_completion_tokens else req.max_tokens
+        if limit is not None and limit < 1:
+            raise _bad(f"{limit_param} must be at least 1, got {limit}", limit_param)
         params = sampling_params(
             req, req.max_completion_tokens if use_completion_tokens else req.max_tokens,
             "max_completion_tokens" if use_completion_tokens else "max_tokens", [len(ids)], "messages",
@@ -616,6 +640,9 @@ def build_app(state: ServerState) -> FastAPI:
         check_model(req.model)
         if req.suffix:
             raise _bad("suffix is not supported (no fill-in-the-middle yet)", "suffix")
+        if req.best_of is not None and req.best_of not in (1, req.n):
+            raise _bad(f"best_of must be 1 or n (servelm returns every sample it draws), got {req.best_of}",
+                       "best_of")
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [manager.encode(prompt)]
@@ -633,6 +660,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise _bad("prompt must not be empty", "prompt")
         for ids in prompts:
             check_ids(ids, "prompt")
+        if req.max_tokens is not None and req.max_tokens < 1 and not (req.max_tokens == 0 and req.echo):
+            raise _bad(f"max_tokens must be at least 1 (0 only with echo: the prompt back, scored with logprobs), "
+                       f"got {req.max_tokens}", "max_tokens")
         k = req.logprobs
         if k is not None and not 0 <= k <= 20:
             raise _bad(f"logprobs must be in [0, 20], got {k}", "logprobs")
@@ -767,7 +797,7 @@ def build_app(state: ServerState) -> FastAPI:
                 raise _bad("messages must be a non-empty list of messages", "messages")
             try:
                 ids = manager.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in req.messages],
-                                              req.add_generation_prompt)
+                                              req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
             except Exception as exc:
                 raise _bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
         else:

@@ -53,8 +53,34 @@ def invalid_text_path(value: Any) -> str | None:
     return None
 
 
+# Extensions of vLLM and SGLang that clients send and servelm does not implement yet: named as such in the
+# 400, rather than "unrecognized" (and never dropped silently, which would change what the client asked for).
+UNSUPPORTED_EXTENSIONS = frozenset({
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "structured_outputs", "ebnf", "json_schema", "stop_regex", "return_token_ids", "return_tokens_as_token_ids",
+    "truncate_prompt_tokens", "prompt_logprobs", "include_stop_str_in_output", "spaces_between_special_tokens",
+    "use_beam_search", "length_penalty", "priority", "documents", "mm_processor_kwargs", "chat_template",
+    "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "lora_path", "image_data",
+    "audio_data", "video_data", "session_params", "custom_logit_processor", "request_id", "cache_salt",
+    "allowed_token_ids", "bad_words", "return_hidden_states", "lora_request", "vllm_xargs", "kv_transfer_params",
+})
+
+
+def unknown_fields_message(names: list[str]) -> str:
+    """The 400 message for request fields that are neither OpenAI's nor an extension servelm implements."""
+    known = [n for n in names if n in UNSUPPORTED_EXTENSIONS]
+    if known:
+        return (f"{', '.join(repr(n) for n in known)}: {'a vLLM/SGLang extension' if len(known) == 1 else 'extensions'}"
+                " that servelm does not support yet")
+    return f"Unrecognized request argument{'s' if len(names) > 1 else ''} supplied: {', '.join(names)}"
+
+
 class _TopRequest(_Request):
-    """A request body: its text must be valid Unicode (checked once, for the whole body)."""
+    """A request body: unknown fields are a 400 (as OpenAI: a typo like `max_token` must not run with the
+    default instead), and its text must be valid Unicode (checked once, for the whole body). Nested objects
+    (messages, tools, ...) still ignore fields they do not know."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -172,11 +198,17 @@ class _SamplingFields(_TopRequest):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     rid: str | None = None
     response_format: ResponseFormat | None = None
     regex: str | None = None  # SGLang/vLLM extension: the output matches this regular expression
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    # OpenAI fields that change nothing a local server does: accepted and ignored.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -189,6 +221,13 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang: extra variables of the chat template
+    # OpenAI fields: modalities may only ask for text; audio output is refused; the others change nothing here.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -198,6 +237,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None  # legacy OpenAI: only 1 (or n) is served
 
 
 class GenerateRequest(_TopRequest):
@@ -216,6 +256,7 @@ class TokenizeRequest(_TopRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_TopRequest):

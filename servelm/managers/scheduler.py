@@ -299,6 +299,7 @@ class Scheduler:
         logits_rows: list[int] = []
         rows: list[SamplingRow] = []
         sampled: list[Req] = []  # one per row: the request whose row it is
+        prefilled_only: list[Req] = []  # max_new_tokens 0: done once the prompt is in
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
             ids = req.all_ids
@@ -315,7 +316,9 @@ class Scheduler:
                 rows.append(SamplingRow(req.params, req.seed, req.sample_index, pos + 1, req.prompt_ids, [],
                                         target=ids[pos + 1]))
                 sampled.append(req)
-            if end == len(ids):
+            if end == len(ids) and req.params.max_new_tokens == 0:
+                prefilled_only.append(req)  # its prompt is in (and scored): nothing to sample
+            elif end == len(ids):
                 logits_rows.append(len(input_ids) - 1)
                 rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len, req.prompt_ids,
                                         req.output_ids, self._banned_ids(req),
@@ -342,6 +345,9 @@ class Scheduler:
                     outputs.append(self._finish(req, req.finish_reason))
                 elif req.stream:
                     outputs.append(self._make_out(req))
+        for req in prefilled_only:
+            self.running.remove(req)
+            outputs.append(self._finish(req, {"type": "length", "matched": None}))
         return outputs
 
     def _share_prefix(self, req: Req) -> None:

@@ -186,13 +186,14 @@ class TokenizerManager:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render the chat template (with the request's tools, for templates that show them) and tokenize it
-        (the template already holds any BOS)."""
+                        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                        template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Render the chat template (with the request's tools, for templates that show them, and its extra
+        template variables, e.g. Qwen3's enable_thinking) and tokenize it (the template already holds any BOS)."""
         text = self.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message)
+            continue_final_message=continue_final_message, **(template_kwargs or {}))
         return self.encode(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
