@@ -232,7 +232,7 @@ def test_killed_rank_is_named_once_and_the_server_exits(victim: int, tiny_tp_mod
         if victim == 0:
             # Rank 0 is the scheduler process: the API process reports it, and no worker is blamed.
             assert named == [], log[-4000:]
-            assert "scheduler process died unexpectedly (exit code -9)" in log, log[-4000:]
+            assert "scheduler process (TP rank 0) died unexpectedly (exit code -9)" in log, log[-4000:]
         else:
             assert named == [str(victim)], log[-4000:]
             assert f"TP rank {victim} died (exit code -9 / killed by SIGKILL); shutting down" in log

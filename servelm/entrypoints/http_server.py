@@ -995,7 +995,8 @@ async def _startup(state: ServerState) -> None:
             await asyncio.sleep(0.5)
             proc = state.proc
             if proc is not None and not proc.is_alive() and not state.shutting_down:
-                state.fail(f"The scheduler process died unexpectedly (exit code {proc.exitcode}); stopping")
+                rank = " (TP rank 0)" if args.tp_size > 1 else ""
+                state.fail(f"The scheduler process{rank} died unexpectedly (exit code {proc.exitcode}); stopping")
                 return
     except asyncio.CancelledError:
         raise

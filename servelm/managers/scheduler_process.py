@@ -214,6 +214,14 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
         if not isinstance(exc, TPFailure):
             logger.critical("scheduler loop crashed:\n%s", traceback.format_exc())
         os._exit(1)
+    # Release the TP workers (they leave their follow loop and exit on their own) instead of leaving
+    # them to be terminated, which would leak their semaphores.
+    shutdown = getattr(scheduler, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception as exc:  # stopping anyway: say what failed, once
+            logger.warning("scheduler shutdown failed: %s: %s", type(exc).__name__, exc)
     recv.close(0)
     send.close(0)
     ctx.term()
