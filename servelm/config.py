@@ -20,8 +20,13 @@ class ConfigError(ValueError):
     """A server argument is invalid; the message says which and why."""
 
 
-def _opt(default: Any, help: str, *, choices: list | None = None, aliases: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+def _opt(default: Any, help: str, *, choices: list | None = None, aliases: tuple[str, ...] = (),
+         negations: tuple[str, ...] = ()) -> Any:
+    """A field and its flag. `aliases` are other names of the flag (vLLM's and SGLang's spellings);
+    `negations` are flags that set a bool field back to False (e.g. vLLM's --enable-prefix-caching for
+    --disable-radix-cache)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases,
+                                            "negations": negations})
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,8 @@ class ServerArgs:
     dtype: str = _opt("auto", "Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.",
                       choices=["auto", "float32", "bfloat16", "float16"])
     device: str = _opt("auto", "Device to run on.", choices=["auto", "cpu", "cuda"])
-    context_length: int | None = _opt(None, "Override the model's maximum context length.")
+    context_length: int | None = _opt(None, "Override the model's maximum context length.",
+                                      aliases=("--max-model-len",))
     chat_template: str | None = _opt(None, "Chat template override: a Jinja file path or template string.")
     trust_remote_code: bool = _opt(False, "Accepted for compatibility; remote code is never run.")
 
@@ -43,8 +49,11 @@ class ServerArgs:
     port: int = _opt(30000, "Port to bind.")
     api_key: str | None = _opt(None, "Require this bearer token on every API request.")
     max_queued_requests: int = _opt(256, "Requests waiting beyond this answer 429.")
-    log_requests: bool = _opt(False, "Log every request and its output.")
+    log_requests: bool = _opt(False, "Log every request and its output.", negations=("--disable-log-requests",))
     log_level: str = _opt("info", "Log level.", choices=["debug", "info", "warning", "error"])
+    uvicorn_log_level: str | None = _opt(None, "Log level of uvicorn's own messages (default: --log-level).",
+                                         choices=["debug", "info", "warning", "error"])
+    disable_uvicorn_access_log: bool = _opt(False, "No access log line per HTTP request.")
     shutdown_timeout: float = _opt(5.0, "On SIGTERM/Ctrl-C, seconds that running requests get to finish before "
                                    "they are ended with an error (new requests get 503 at once).")
     tool_call_parser: str | None = _opt(None, "Read tool calls in the model's own format, which allows "
@@ -58,7 +67,8 @@ class ServerArgs:
     mem_fraction_static: float = _opt(0.85, "Fraction of free GPU memory after weights used for the KV pool.")
     chunked_prefill_size: int = _opt(512, "Token budget per scheduler step (prefill chunks + decodes).")
     max_running_requests: int = _opt(64, "Most requests decoding at once.")
-    disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.")
+    disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.", aliases=("--no-enable-prefix-caching",),
+                                     negations=("--enable-prefix-caching",))
     disable_fast_path: bool = _opt(False, "Eager PyTorch only: plain F.linear instead of oneDNN with pre-packed "
                                           "weights on CPU.", aliases=("--disable-torch-compile",))
     num_threads: int | None = _opt(None, "CPU threads for the model (default: the CPUs available to the process, "
@@ -67,7 +77,7 @@ class ServerArgs:
     enable_deterministic_inference: bool = _opt(False, "Batch-invariant kernels and sampling.")
 
     # Parallelism
-    tp_size: int = _opt(1, "Tensor-parallel size.", aliases=("--tp",))
+    tp_size: int = _opt(1, "Tensor-parallel size.", aliases=("--tp", "--tensor-parallel-size"))
     nnodes: int = _opt(1, "Number of nodes.")
     node_rank: int = _opt(0, "This node's rank.")
     dist_init_addr: str | None = _opt(None, "host:port of the torch.distributed rendezvous.")
@@ -109,10 +119,17 @@ class ServerArgs:
             help_text = f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(*names, dest=f.name, action="store_true", default=f.default, help=help_text)
+                negations = f.metadata.get("negations", ())
+                if negations:
+                    parser.add_argument(*negations, dest=f.name, action="store_false",
+                                        help=f"The opposite of {flag} (the default).")
                 continue
             ftype = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+            choices = f.metadata.get("choices")
+            if choices and ftype is str:
+                ftype = str.lower  # --log-level INFO works too
             parser.add_argument(*names, dest=f.name, type=ftype, default=f.default,
-                                choices=f.metadata.get("choices"), help=f"{help_text} (default: {f.default})")
+                                choices=choices, help=f"{help_text} (default: {f.default})")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -15,7 +15,9 @@ import pytest
 import servelm
 from servelm.cli import serve_backends as sb
 from servelm.cli.main import main
+from servelm.cli.serve import CliError
 from servelm.cli.serve_backends import ServeBackend, ServeBackendDetection, ServeBackendRegistry
+from servelm.config import ServerArgs
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -164,3 +166,28 @@ def test_generate_help(fake_engine: list[Any], capsys: pytest.CaptureFixture[str
     for flag in ("--prompt", "--max-new-tokens", "--temperature", "--seed", "--raw", "--model-path", "--tp-size"):
         assert flag in out
     assert fake_engine == []
+
+
+def test_vllm_flag_spellings_and_case_insensitive_levels() -> None:
+    from servelm.backends.llm import build_parser
+
+    def parse(*argv: str) -> ServerArgs:
+        return ServerArgs.from_namespace(build_parser().parse_args(list(argv)))
+
+    args = parse("--max-model-len", "512", "--tensor-parallel-size", "2", "--enable-prefix-caching",
+                 "--disable-log-requests", "--log-level", "INFO", "--uvicorn-log-level", "Warning")
+    assert (args.context_length, args.tp_size, args.disable_radix_cache, args.log_requests) == (512, 2, False, False)
+    assert (args.log_level, args.uvicorn_log_level) == ("info", "warning")
+    assert parse("--no-enable-prefix-caching").disable_radix_cache is True
+    assert parse("--log-requests").log_requests is True
+
+
+def test_misspelt_commands_and_flags_get_a_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serv"]) == 1
+    assert "Unknown command 'serv'. Did you mean 'serve'?" in capsys.readouterr().err
+    from servelm.backends.llm import build_parser
+
+    with pytest.raises(CliError, match=r"unrecognized arguments: --max-tokenz 5 \(did you mean --max-total-tokens\?\)"):
+        build_parser().parse_args(["--max-tokenz", "5"])
+    with pytest.raises(CliError, match=r"unrecognized arguments: --zzzz$"):
+        build_parser().parse_args(["--zzzz"])

@@ -45,9 +45,7 @@ def run(request: ServeRequest) -> None:
         parser.print_help()
         return
     server_args = ServerArgs.from_namespace(parser.parse_args(list(request.argv)))
-    if server_args.model_path is None:
-        logger.info("No --model-path given: serving the embedded default model")
-    else:
+    if server_args.model_path is not None:  # (without one, the model runner logs the default model's path)
         check_model_path_or_exit(server_args.model_path)
     # Before the scheduler and TP worker processes are spawned: they inherit the environment.
     threads = configure_cpu_threads(server_args.num_threads,

@@ -8,6 +8,7 @@ code 1; the traceback is shown only with SERVELM_DEBUG=1.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import sys
@@ -212,7 +213,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     apply_wait_policy()
     try:
         if command is None:
-            raise CliError(f"Unknown command '{args[0]}'. Available commands: {', '.join(COMMANDS)}.")
+            close = difflib.get_close_matches(args[0], list(COMMANDS), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise CliError(f"Unknown command '{args[0]}'.{hint} Available commands: {', '.join(COMMANDS)}.")
         _configure_logging()
         return command(args[1:])
     except KeyboardInterrupt:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import logging
 import signal
 import sys
@@ -55,7 +56,20 @@ class StrictArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors raise CliError instead of printing usage and exiting 2."""
 
     def error(self, message: str) -> NoReturn:
-        raise CliError(f"{self.prog}: {message}")
+        raise CliError(f"{self.prog}: {message}{self._suggestions(message)}")
+
+    def _suggestions(self, message: str) -> str:
+        """` (did you mean --x?)` for misspelt flags in an "unrecognized arguments" message."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        hints = []
+        for token in message.partition(":")[2].split():
+            flag = token.partition("=")[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7) if flag.startswith("--") else []
+            if close:
+                hints.append(close[0])
+        return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def wants_help(argv: Sequence[str]) -> bool:
