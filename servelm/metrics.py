@@ -17,10 +17,14 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 
 PREFIX = "servelm"
+# No `*_created` series (one timestamp per counter and histogram, which dashboards never use; vLLM drops
+# them too). A process-wide switch of prometheus-client: this module is what exports in this process.
+disable_created_metrics()
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)

@@ -1,5 +1,5 @@
-"""A model path that cannot work fails at once from the CLI: one `Error:` line, no traceback, before any
-process starts or torch loads; a model that fails only while loading still gives one line, no traceback."""
+"""A model path that cannot work, or a port in use, fails at once from the CLI: one `Error:` line, no traceback,
+before any process starts or the model loads; a model that fails only while loading still gives one line."""
 
 from __future__ import annotations
 
@@ -77,3 +77,18 @@ def test_model_that_fails_while_loading_logs_no_traceback(tmp_path: Path) -> Non
     assert "Traceback" not in out and "never retrieved" not in out, out
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Cannot read GGUF file" in errors[0] and "ServerError" not in errors[0], out
+
+
+def test_port_in_use_is_one_line_before_the_model_loads(tiny_llama: tuple[Path, object]) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        rc, out = run_cli("serve", str(tiny_llama[0]), "--port", str(port))
+    assert rc == 1, out
+    errors = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert errors == [f"Error: Port {port} on 127.0.0.1 is already in use (another server?): stop it or pass "
+                      "another --port"], out
+    assert "Traceback" not in out and "Loading model" not in out, out

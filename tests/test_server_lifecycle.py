@@ -134,6 +134,10 @@ def test_startup_503_ready_line_and_sigint(tiny_llama: tuple[Path, object], tmp_
         log = srv.log()
         line = next(ln for ln in log.splitlines() if "servelm ready" in ln)
         assert "float32" in line and "KV capacity 8192 tokens" in line and srv.base_url in line
+        # Nothing before it says the server runs (uvicorn's "Uvicorn running on" is replaced by a line that
+        # says it is still loading); each request gets an access log line.
+        assert "Uvicorn running" not in log and "loading the model (requests get 503 until it is ready)" in log
+        assert '"GET /health HTTP/1.1" 503' in log and '"GET /health HTTP/1.1" 200' in log
 
         # Ctrl-C in the middle of a stream: everything stops within seconds.
         children = srv.children()

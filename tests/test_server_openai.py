@@ -597,6 +597,10 @@ def test_metrics_and_flush_cache(server: ServerProcess, client: openai.OpenAI) -
                  "servelm:cache_hit_rate", "servelm:kv_total_tokens"):
         assert name in text, name
     assert 'servelm:kv_total_tokens{model_name="tiny"} 16384.0' in text
+    assert "_created" not in text  # no creation-timestamp series
+    import servelm
+
+    assert httpx.get(f"{server.base_url}/version").json() == {"version": servelm.__version__}
     wait_idle(server)
     r = httpx.post(f"{server.base_url}/flush_cache")
     assert r.status_code == 200 and r.json()["success"] is True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import hmac
 import json
 import logging
@@ -29,6 +30,7 @@ import multiprocessing.resource_tracker
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -48,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelm import __version__
 from servelm.config import ServerArgs
+from servelm.entrypoints.chat_page import is_open_path, mount_chat_page
 from servelm.entrypoints.openai_protocol import (
     AbortRequest,
     ChatCompletionChoice,
@@ -166,6 +169,7 @@ class ServerState:
     ready: bool = False
     shutting_down: bool = False
     stop_signal: int | None = None  # the signal that stops the server, if one did
+    started_at: float = field(default_factory=time.monotonic)
     fatal_error: str | None = None
     proc: Any = None  # the scheduler process
     ready_reader: Connection | None = None
@@ -839,6 +843,10 @@ def build_app(state: ServerState) -> FastAPI:
                                   type="service_unavailable")
         return Response(status_code=200)
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info() -> dict[str, Any]:
@@ -880,6 +888,7 @@ def build_app(state: ServerState) -> FastAPI:
                 state.metrics.update_scheduler_state(await manager.server_info(timeout=5))
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
 
+    mount_chat_page(app)
     return app
 
 
@@ -891,7 +900,7 @@ class _GuardMiddleware:
         self.state = state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not is_open_path(scope["path"]):
             error = _guard_error(self.state, scope)
             if error is not None:
                 await error(scope, receive, send)
@@ -987,8 +996,9 @@ async def _startup(state: ServerState) -> None:
         manager.model_info = dict(msg.get("model_info") or {})
         state.ready = True
         info = manager.model_info
-        logger.info("servelm ready: model %s (%s), dtype %s, KV capacity %s tokens, context %s, "
-                    "serving at http://%s:%d", state.model_name, info.get("architecture", "?"),
+        logger.info("servelm ready in %.1f s: model %s (%s), dtype %s, KV capacity %s tokens, context %s, "
+                    "serving at http://%s:%d", time.monotonic() - state.started_at, state.model_name,
+                    info.get("architecture", "?"),
                     info.get("dtype", "?"), info.get("kv_capacity_tokens", "?"),
                     info.get("max_context_length", "?"), args.host, args.port)
         while True:
@@ -1074,6 +1084,23 @@ async def _drain(state: ServerState) -> None:
     # uvicorn's shutdown then waits (timeout_graceful_shutdown) for the handlers to send those errors.
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on; ServerError (one line) when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServerError(f"Port {port} on {host} is already in use (another server?): stop it or pass "
+                              f"another --port") from None
+        raise ServerError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def _configure_logging(level: str) -> None:
     root = logging.getLogger()
     if not root.handlers:
@@ -1097,6 +1124,8 @@ def launch_server(server_args: ServerArgs) -> None:
         if code:
             raise ServerError(f"a TP rank on node {server_args.node_rank} exited with code {code}")
         return
+    # The port first, before the model loads: a port in use is one line at once, not after the load.
+    sock = _listen_socket(server_args.host, server_args.port)
     tmpdir = tempfile.mkdtemp(prefix="servelm-")
     to_scheduler = f"ipc://{os.path.join(tmpdir, 'to_scheduler')}"
     from_scheduler = f"ipc://{os.path.join(tmpdir, 'from_scheduler')}"
@@ -1116,12 +1145,17 @@ def launch_server(server_args: ServerArgs) -> None:
         proc.start()
         writer.close()
         app = build_app(state)
-        config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                                access_log=server_args.log_requests, timeout_graceful_shutdown=3,
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=server_args.uvicorn_log_level or server_args.log_level,
+                                access_log=not server_args.disable_uvicorn_access_log, timeout_graceful_shutdown=3,
                                 timeout_keep_alive=5)
         server = _UvicornServer(config, state)
         state.uvicorn_server = server
-        server.run()
+        # uvicorn logs no "Uvicorn running on ..." for a socket it is given: nothing may be sent yet, and
+        # "servelm ready" is the line that says when.
+        logger.info("HTTP port open at http://%s:%d; loading the model (requests get 503 until it is ready)",
+                    server_args.host, server_args.port)
+        server.run(sockets=[sock])
     finally:
         state.shutting_down = True
         state.stop_event.set()
@@ -1129,6 +1163,7 @@ def launch_server(server_args: ServerArgs) -> None:
         with contextlib.suppress(Exception):
             manager.close()
         reader.close()
+        sock.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
     if state.fatal_error:
         raise ServerError(state.fatal_error)

@@ -49,6 +49,7 @@ logger = logging.getLogger("servelm.scheduler_process")
 SCHEDULER_FACTORY_ENV = "SERVELM_SCHEDULER_FACTORY"
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 250
+STATS_INTERVAL_S = 10.0  # how often a busy server logs its throughput line
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -94,11 +95,37 @@ def _abort_out(req: GenerateReq, message: str) -> TokenOut:
 class SchedulerLoop:
     """Dispatches API messages to a scheduler and sends its outputs back."""
 
-    def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket) -> None:
+    def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket,
+                 stats_interval_s: float = STATS_INTERVAL_S) -> None:
         self.scheduler = scheduler
         self.recv = recv
         self.send = send
         self.stop_requested = False
+        self.stats_interval_s = stats_interval_s
+        self._stats_at = time.monotonic()
+        self._stats_totals: tuple[int, int] | None = None
+
+    def log_stats(self, force: bool = False) -> None:
+        """Every `stats_interval_s` while requests run, one line as vLLM logs it: prompt and generation
+        throughput over the interval, running and waiting requests, KV usage and prefix-cache hits."""
+        now = time.monotonic()
+        stats = getattr(self.scheduler, "stats", None)
+        if not isinstance(stats, dict) or (not force and now - self._stats_at < self.stats_interval_s):
+            return
+        totals = (int(stats.get("prompt_tokens", 0)), int(stats.get("generation_tokens", 0)))
+        last, self._stats_totals = self._stats_totals or totals, totals
+        elapsed, self._stats_at = max(now - self._stats_at, 1e-9), now
+        if totals == last and not self.scheduler.has_work():
+            return  # idle: nothing to say
+        info = self.scheduler.server_info()
+        used = info.get("kv_in_use_tokens", 0) + info.get("kv_cached_tokens", 0)
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%% (%.1f%% by running requests), "
+                    "Prefix cache hit rate: %.1f%%", (totals[0] - last[0]) / elapsed, (totals[1] - last[1]) / elapsed,
+                    info.get("num_running", 0), info.get("num_waiting", 0),
+                    100.0 * used / max(info.get("kv_total_tokens", 1), 1),
+                    100.0 * info.get("kv_in_use_tokens", 0) / max(info.get("kv_total_tokens", 1), 1),
+                    100.0 * float(info.get("cache_hit_rate") or 0.0))
 
     def _handle(self, msg: Any) -> None:
         sched = self.scheduler
@@ -156,6 +183,7 @@ class SchedulerLoop:
             outputs = self.scheduler.step()
             if outputs:
                 self.send.send(encode(BatchTokenOut(list(outputs))))
+        self.log_stats()
 
     def request_stop(self) -> None:
         """Stop after the current step (safe to call from a signal handler)."""
