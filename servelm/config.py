@@ -15,6 +15,12 @@ from typing import Any
 
 import yaml
 
+# Fields only the HTTP server reads (the offline commands accept them but leave them out of --help).
+HTTP_SERVER_FIELDS = frozenset({
+    "host", "port", "api_key", "served_model_name", "max_queued_requests", "log_requests", "uvicorn_log_level",
+    "disable_uvicorn_access_log", "shutdown_timeout", "tool_call_parser",
+})
+
 
 class ConfigError(ValueError):
     """A server argument is invalid; the message says which and why."""
@@ -110,26 +116,28 @@ class ServerArgs:
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field; defaults, types and help come from the field."""
+    def add_cli_args(parser: argparse.ArgumentParser, hidden: frozenset[str] = frozenset()) -> None:
+        """Add one flag per field; defaults, types and help come from the field. Fields in `hidden` are
+        still accepted but left out of --help (e.g. the HTTP server's flags under `servelm generate`)."""
         parser.add_argument("--config", default=None, help="YAML file of arguments (CLI flags win).")
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             names = [flag, *f.metadata.get("aliases", ())]
-            help_text = f.metadata.get("help", "")
+            help_text = argparse.SUPPRESS if f.name in hidden else f.metadata.get("help", "")
             if f.type in ("bool", bool):
                 parser.add_argument(*names, dest=f.name, action="store_true", default=f.default, help=help_text)
                 negations = f.metadata.get("negations", ())
                 if negations:
                     parser.add_argument(*negations, dest=f.name, action="store_false",
-                                        help=f"The opposite of {flag} (the default).")
+                                        help=argparse.SUPPRESS if f.name in hidden else
+                                        f"The opposite of {flag} (the default).")
                 continue
             ftype = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
             choices = f.metadata.get("choices")
             if choices and ftype is str:
                 ftype = str.lower  # --log-level INFO works too
-            parser.add_argument(*names, dest=f.name, type=ftype, default=f.default,
-                                choices=choices, help=f"{help_text} (default: {f.default})")
+            parser.add_argument(*names, dest=f.name, type=ftype, default=f.default, choices=choices,
+                                help=help_text if f.name in hidden else f"{help_text} (default: {f.default})")
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:

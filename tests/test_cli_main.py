@@ -72,8 +72,10 @@ def test_backends_table(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     assert lines[0] == ["NAME", "PROVIDER", "API", "DETECTOR", "STATUS"]
     assert [row[0] for row in lines[1:]] == ["llm", "diffusion", "broken", "dup", "good"]
     rows = {row[0]: row for row in lines[1:]}
-    assert rows["llm"] == ["llm", "built-in", "1", "no", "ok"]
-    assert rows["diffusion"] == ["diffusion", "built-in", "1", "yes", "ok"]
+    assert rows["llm"][:5] == ["llm", "built-in", "1", "no", "ok:"] and "OpenAI API" in " ".join(rows["llm"])
+    # The diffusion row says that it cannot serve yet, not a plain "ok".
+    assert rows["diffusion"][:5] == ["diffusion", "built-in", "1", "yes", "ok:"]
+    assert "cannot serve them yet" in " ".join(rows["diffusion"])
     assert rows["good"] == ["good", "good-dist", "1", "yes", "ok"]
     broken = captured.out.splitlines()[3]
     assert "broken-dist" in broken
@@ -122,7 +124,9 @@ def test_generate_with_chat_template(fake_engine: list[Any], capsys: pytest.Capt
     assert main(["generate", "--prompt", "Hi", "--max-new-tokens", "8", "--seed", "7", "--port", "31000"]) == 0
     assert capsys.readouterr().out == "generated text\n"
     (_, server_args), gen, shutdown = fake_engine
-    assert server_args.model_path is None and server_args.port == 31000
+    assert server_args.model_path is None and server_args.port == 31000  # accepted, if unused
+    # The KV pool is sized for the one request (the prompt's bytes bound its tokens), not a server's many.
+    assert server_args.max_total_tokens == len("Hi") + 512 + 8
     assert gen == ("generate", "<user>Hi</user><assistant>", {"max_new_tokens": 8, "temperature": 0.0, "seed": 7})
     assert shutdown == ("shutdown",)
 
@@ -165,6 +169,8 @@ def test_generate_help(fake_engine: list[Any], capsys: pytest.CaptureFixture[str
     assert out.startswith("usage: servelm generate")
     for flag in ("--prompt", "--max-new-tokens", "--temperature", "--seed", "--raw", "--model-path", "--tp-size"):
         assert flag in out
+    for flag in ("--port", "--host", "--api-key", "--max-queued-requests", "--shutdown-timeout"):
+        assert flag not in out  # the HTTP server's, not generate's
     assert fake_engine == []
 
 

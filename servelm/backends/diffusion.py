@@ -96,4 +96,5 @@ def run(request: ServeRequest) -> None:
 
 def create_backend() -> ServeBackend:
     """Factory of the built-in `diffusion` backend."""
-    return ServeBackend(api_version=SERVE_BACKEND_API_VERSION, run=run, detect=detect)
+    return ServeBackend(api_version=SERVE_BACKEND_API_VERSION, run=run, detect=detect,
+                        summary="detects diffusers folders; cannot serve them yet (not implemented)")

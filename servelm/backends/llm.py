@@ -67,4 +67,5 @@ def create_backend() -> ServeBackend:
         run=run,
         detect=None,
         requires_model_path=False,
+        summary="language models (HF folder or GGUF) over the OpenAI API, with a chat page",
     )

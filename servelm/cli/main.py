@@ -25,7 +25,7 @@ from servelm.cli.serve import (
     serve,
 )
 from servelm.cli.serve_backends import FALLBACK_BACKEND, ServeRequest, default_registry
-from servelm.config import ConfigError, ServerArgs
+from servelm.config import HTTP_SERVER_FIELDS, ConfigError, ServerArgs
 from servelm.cpu_threads import apply_wait_policy
 
 logger = logging.getLogger("servelm")
@@ -88,14 +88,22 @@ def build_generate_parser() -> StrictArgumentParser:
     group.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (default: 0, greedy).")
     group.add_argument("--seed", type=int, default=None, help="Sampling seed.")
     group.add_argument("--raw", action="store_true", help="Send the prompt as is, without the chat template.")
-    ServerArgs.add_cli_args(parser)
+    ServerArgs.add_cli_args(parser, hidden=HTTP_SERVER_FIELDS)
     return parser
+
+
+def one_request_kv_tokens(prompt: str, max_new_tokens: int) -> int:
+    """KV pool size for generate's one request: no token is shorter than a byte, so the prompt's UTF-8
+    length bounds its tokens; 512 more cover a chat template's own text."""
+    return len(prompt.encode("utf-8")) + 512 + max_new_tokens
 
 
 def cmd_generate(argv: list[str]) -> int:
     argv, positional = normalise_positional_model(argv)
     ns = build_generate_parser().parse_args(argv)
     server_args = ServerArgs.from_namespace(ns)
+    if server_args.max_total_tokens is None:  # one request: no pool sized for a server's many
+        server_args = server_args.replace(max_total_tokens=one_request_kv_tokens(ns.prompt, ns.max_new_tokens))
     registry = registry_call(default_registry)
     request = ServeRequest(argv=tuple(argv), model_path=server_args.model_path,
                            model_path_is_positional=positional)
@@ -138,7 +146,7 @@ def cmd_backends(argv: list[str]) -> int:
     if argv:
         if argv[0] in ("-h", "--help"):
             print("usage: servelm backends\n\nLoad every serve backend and show provider, API version, "
-                  "whether it has a detector, and whether it loads.")
+                  "whether it has a detector, whether it loads and what it serves.")
             return 0
         raise CliError(f"servelm backends: unrecognized arguments: {' '.join(argv)}")
     registry = registry_call(default_registry)
@@ -152,7 +160,9 @@ def cmd_backends(argv: list[str]) -> int:
             failed.append(name)
             rows.append((name, provider, "-", "-", f"error: {_one_line(str(exc))}"))
             continue
-        rows.append((name, provider, str(backend.api_version), "yes" if backend.detect else "no", "ok"))
+        summary = getattr(backend, "summary", "")
+        rows.append((name, provider, str(backend.api_version), "yes" if backend.detect else "no",
+                     f"ok: {summary}" if summary else "ok"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     for row in rows:
         print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[-1]]).rstrip())

@@ -74,6 +74,7 @@ class ServeBackend:
     run: Callable[[ServeRequest], None]
     detect: Callable[[ServeRequest], ServeBackendDetection] | None = None
     requires_model_path: bool = True
+    summary: str = ""  # what it can serve, one line, for `servelm backends` (optional)
 
 
 def _names(names: Iterable[str]) -> str:
