@@ -148,3 +148,21 @@ def test_strict_schema_closes_declared_objects_only() -> None:
     assert "additionalProperties" not in out["allOf"][0]
     assert out["allOf"][1]["properties"]["k"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the request's own schema is left as it was
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_hermes_calls_stream_as_they_are_written(step: int) -> None:
+    text = TEXT.replace('{"name": "get_time", "arguments": {}}', '{"arguments": {}, "name": "get_time"}')
+    stream = HermesStream()
+    content, deltas = "", []
+    for i in range(0, len(text), step):
+        content += stream.feed(text[i:i + step])
+        deltas += stream.call_deltas()
+    calls: dict[int, list] = {}
+    for d in deltas:
+        if d.id is not None:
+            calls[d.index] = [d.function.name, ""]
+        calls[d.index][1] += d.function.arguments or ""
+    assert content == "Let me check. "
+    assert calls == {0: ["get_weather", '{"city": "Paris"}'], 1: ["get_time", "{}"]}
+    assert stream.streamed_calls == 2 and stream.finish()[0] == "Done."

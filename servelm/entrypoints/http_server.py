@@ -575,9 +575,10 @@ def build_app(state: ServerState) -> FastAPI:
                                                 usage=usage))
 
             def render_tool_calls(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
-                """Tool mode. A named function or "required": each call starts once its name is known and its
-                arguments stream as they are written (with their tokens' logprobs, if asked). Auto: the text
-                before the model starts a call streams as content; the calls go whole in the last delta."""
+                """Tool mode: each call starts once its name is known and its arguments stream as they are
+                written (as vLLM). A named function or "required" (constrained): with their tokens' logprobs, if
+                asked. Auto (hermes): the text before the model starts a call streams as content, the calls
+                follow, and the last delta has any text after them (and the logprobs, if asked)."""
                 assert tools is not None
                 if not tools.auto:
                     scan = constrained_calls.setdefault(index, ConstrainedCallStream(tools.named))
@@ -594,17 +595,20 @@ def build_app(state: ServerState) -> FastAPI:
                     return
                 parser = hermes.setdefault(index, HermesStream())
                 content = parser.feed(out.text)
+                deltas = parser.call_deltas()
                 if out.finish_reason is None:
-                    if content:
-                        yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=content))])
+                    if content or deltas:
+                        yield chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
+                            content=content or None, tool_calls=deltas or None))])
                     return
                 rest, found = parser.finish()
                 calls, finish, rest = with_calls(rest, found, acc)
                 content = (content or "") + (rest or "") or None
+                streamed = parser.streamed_calls  # the calls that went out piece by piece; the rest go whole
+                deltas += [DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls) if k >= streamed]
                 yield chunk([ChatCompletionStreamChoice(
                     index=index, finish_reason=finish, logprobs=chat_logprobs(acc) if params.logprobs else None,
-                    delta=DeltaMessage(content=content, tool_calls=[
-                        DeltaToolCall(index=k, **c.model_dump()) for k, c in enumerate(calls)] or None))])
+                    delta=DeltaMessage(content=content, tool_calls=deltas or None))])
 
             def render(index: int, out: TokenOut, acc: _Accumulated) -> Iterator[str]:
                 if index not in started:

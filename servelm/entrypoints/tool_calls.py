@@ -56,38 +56,6 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 @dataclass
-class HermesStream:
-    """Streams the text before the first `<tool_call>`; holds back anything that may start one."""
-
-    text: str = ""
-    sent: int = 0
-    in_call: bool = field(default=False)
-
-    def feed(self, delta: str) -> str:
-        """Add new output; return the content that can be sent now."""
-        self.text += delta
-        if self.in_call:
-            return ""
-        start = self.text.find(HERMES_OPEN, self.sent)
-        if start >= 0:
-            self.in_call = True
-            end = start
-        else:
-            end = len(self.text)
-            # A tail that is a prefix of "<tool_call>" waits for the next delta.
-            for k in range(min(len(HERMES_OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if HERMES_OPEN.startswith(self.text[-k:]):
-                    end = len(self.text) - k
-                    break
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def finish(self) -> tuple[str | None, list[ToolCall]]:
-        """At the end: (the content not sent yet, the calls); everything unsent starts at the first call."""
-        return parse_hermes(self.text[self.sent:])
-
-
-@dataclass
 class _CallScan:
     """Where one call of a "required" list stands in the text."""
 
@@ -106,6 +74,9 @@ class ConstrainedCallStream:
     once its name is complete, then its parameters' text follows as it grows."""
 
     named: str | None
+    call_depth: int = 2  # JSON depth of a call object: 2 in a list; 1 for one object alone (a hermes block)
+    args_keys: tuple[str, ...] = ("parameters",)  # the key whose object holds a call's arguments
+    index_base: int = 0  # the index of this stream's first call among the output's calls
     text: str = ""
     calls: list[_CallScan] = field(default_factory=list)
     _pos: int = 0
@@ -148,23 +119,23 @@ class ConstrainedCallStream:
                 self._in_string, self._string_start = True, i
             elif c in "{[":
                 self._depth += 1
-                if self._depth == 2 and c == "{":
+                if self._depth == self.call_depth and c == "{":
                     self.calls.append(_CallScan())
                     self._key, self._expect_value = None, False
-                elif self._depth == 3 and self._key == "parameters" and self.calls:
+                elif self._depth == self.call_depth + 1 and self._key in self.args_keys and self.calls:
                     self.calls[-1].args_start = self.calls[-1].args_sent = i
             elif c in "}]":
-                if self._depth == 3 and self._key == "parameters" and self.calls:
+                if self._depth == self.call_depth + 1 and self._key in self.args_keys and self.calls:
                     self.calls[-1].args_end = i + 1
                 self._depth -= 1
-            elif self._depth == 2 and c == ":":
+            elif self._depth == self.call_depth and c == ":":
                 self._expect_value = True
-            elif self._depth == 2 and c == ",":
+            elif self._depth == self.call_depth and c == ",":
                 self._key, self._expect_value = None, False
         self._pos = len(text)
 
     def _string_done(self, literal: str) -> None:
-        if self._depth != 2 or not self.calls:
+        if self._depth != self.call_depth or not self.calls:
             return
         try:
             value = json.loads(literal)
@@ -182,15 +153,79 @@ class ConstrainedCallStream:
                 break  # calls start in order: a later one waits for this one's name
             if not call.started:
                 call.started = True
-                out.append(DeltaToolCall(index=k, id=random_id("call"), type="function",
+                out.append(DeltaToolCall(index=self.index_base + k, id=random_id("call"), type="function",
                                          function=DeltaFunctionCall(name=call.name, arguments="")))
             if call.args_start is not None:
                 end = call.args_end if call.args_end is not None else len(self.text)
                 if end > call.args_sent:
-                    out.append(DeltaToolCall(index=k, function=DeltaFunctionCall(
+                    out.append(DeltaToolCall(index=self.index_base + k, function=DeltaFunctionCall(
                         arguments=self.text[call.args_sent:end])))
                     call.args_sent = end
         return out
+
+
+@dataclass
+class HermesStream:
+    """Streams the text before the first `<tool_call>` (holding back anything that may start one), then
+    each call as it is written: its name once complete, then its arguments (`call_deltas`)."""
+
+    text: str = ""
+    sent: int = 0
+    in_call: bool = field(default=False)
+    _blocks: list[ConstrainedCallStream] = field(default_factory=list)
+    _block_open: bool = False
+    _scanned: int = 0  # text up to here went to the block scanners (or is outside blocks)
+
+    def feed(self, delta: str) -> str:
+        """Add new output; return the content that can be sent now."""
+        self.text += delta
+        if self.in_call:
+            return ""
+        start = self.text.find(HERMES_OPEN, self.sent)
+        if start >= 0:
+            self.in_call = True
+            end = start
+        else:
+            end = len(self.text)
+            # A tail that is a prefix of "<tool_call>" waits for the next delta.
+            for k in range(min(len(HERMES_OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if HERMES_OPEN.startswith(self.text[-k:]):
+                    end = len(self.text) - k
+                    break
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def call_deltas(self) -> list[DeltaToolCall]:
+        """The pieces of calls written since the last call: one `<tool_call>` block is one call."""
+        out: list[DeltaToolCall] = []
+        pos = max(self._scanned, self.sent)
+        while self.in_call:
+            if not self._block_open:
+                start = self.text.find(HERMES_OPEN, pos)
+                if start < 0:
+                    break
+                self._blocks.append(ConstrainedCallStream(None, call_depth=1, args_keys=("arguments", "parameters"),
+                                                          index_base=len(self._blocks)))
+                self._block_open, pos = True, start + len(HERMES_OPEN)
+            end = self.text.find(HERMES_CLOSE, pos)
+            # Hold back a tail that may be the start of the closing tag.
+            upto = end if end >= 0 else max(pos, len(self.text) - len(HERMES_CLOSE) + 1)
+            out += self._blocks[-1].feed(self.text[pos:upto])
+            pos = upto
+            if end < 0:
+                break
+            self._block_open, pos = False, end + len(HERMES_CLOSE)
+        self._scanned = pos
+        return out
+
+    @property
+    def streamed_calls(self) -> int:
+        """How many calls went out (or began to) through `call_deltas`."""
+        return sum(1 for block in self._blocks for call in block.calls if call.started)
+
+    def finish(self) -> tuple[str | None, list[ToolCall]]:
+        """At the end: (the content not sent yet, the calls); everything unsent starts at the first call."""
+        return parse_hermes(self.text[self.sent:])
 
 
 @dataclass
