@@ -8,7 +8,7 @@ import pytest
 
 from servelm.config import ServerArgs
 from servelm.constrained import MAX_SCHEMA_DEPTH, check_schema_depth, grammar_of
-from servelm.entrypoints.http_server import _guard_error
+from servelm.entrypoints.http_common import guard_error
 from servelm.entrypoints.openai_protocol import CompletionRequest, invalid_text_path
 
 LONE = "\ud800"
@@ -51,9 +51,9 @@ def test_schema_depth_is_bounded() -> None:
 
 
 def guard(api_key: str | None, header: bytes | None) -> int | None:
-    state = SimpleNamespace(server_args=ServerArgs(api_key=api_key), shutting_down=False, ready=True)
+    state = SimpleNamespace(api_key=ServerArgs(api_key=api_key).api_key, shutting_down=False, ready=True)
     scope = {"headers": [] if header is None else [(b"authorization", header)]}
-    response = _guard_error(state, scope)  # type: ignore[arg-type]
+    response = guard_error(state, scope)  # type: ignore[arg-type]
     return None if response is None else response.status_code
 
 

@@ -109,12 +109,12 @@ def test_diffusion_run_exits_1_with_one_line(capsys: pytest.CaptureFixture[str])
 # ------------------------------------------------------------ llm
 @pytest.fixture
 def fake_http_server(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Stand-in for servelm.entrypoints.http_server; records what launch_server got."""
+    """Stand-in for servelm.entrypoints.launch; records what launch_server got."""
     launched: list[Any] = []
-    module = types.ModuleType("servelm.entrypoints.http_server")
+    module = types.ModuleType("servelm.entrypoints.launch")
     module.launch_server = launched.append  # type: ignore[attr-defined]
     module.ServerError = RuntimeError  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "servelm.entrypoints.http_server", module)
+    monkeypatch.setitem(sys.modules, "servelm.entrypoints.launch", module)
     return launched
 
 

@@ -52,7 +52,7 @@ def run(request: ServeRequest) -> None:
                                     processes=max(1, server_args.tp_size // server_args.nnodes))
     logger.info("Model processes use %s", describe_threads(threads))
     # Imported here so that help, detection and `servelm backends` never pull in the runtime.
-    from servelm.entrypoints.http_server import ServerError, launch_server
+    from servelm.entrypoints.launch import ServerError, launch_server
 
     try:
         launch_server(server_args)

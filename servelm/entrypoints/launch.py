@@ -1,0 +1,281 @@
+"""Starting and stopping the LLM server: the port (bound before the model loads), the scheduler process
+and its lifetime, uvicorn with a graceful SIGTERM drain, logging.
+
+Process layout: this process runs the event loop, tokenisation and chat templates (`TokenizerManager`); the
+model runs in one scheduler process (`run_scheduler_process`, multiprocessing "spawn") reached over ZMQ ipc
+sockets in a private temp dir. The HTTP port opens at once: `/health` answers 503 until the scheduler has
+loaded the model, then 200.
+
+Testing hook: `SERVELM_SCHEDULER_FACTORY=module:attr` in the environment runs `attr(server_args)` instead of
+`Scheduler.from_server_args` in the scheduler process (see `servelm.managers.scheduler_process`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import multiprocessing
+import multiprocessing.resource_tracker
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from servelm.config import ServerArgs
+from servelm.entrypoints.http_server import ServerState, build_app, served_model_name
+from servelm.managers.scheduler_process import run_scheduler_process
+from servelm.managers.tokenizer_manager import TokenizerManager, load_server_tokenizer
+from servelm.metrics import ServerMetrics
+
+logger = logging.getLogger("servelm.http_server")
+
+SCHEDULER_STOP_TIMEOUT_S = 5.0
+
+
+class ServerError(RuntimeError):
+    """The server could not start or stopped on a fault (e.g. the scheduler process failed)."""
+
+
+def scheduler_lifespan(state: ServerState) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start the scheduler link and watch the start-up; on the way out stop both."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.manager.start()
+        startup = asyncio.create_task(_startup(state))
+        try:
+            yield
+        finally:
+            state.shutting_down = True
+            state.stop_event.set()
+            startup.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await startup
+            _stop_scheduler(state.proc)
+            state.manager.close()
+
+    return lifespan
+
+
+def _wait_ready(state: ServerState) -> dict[str, Any]:
+    """Block until the scheduler reports on its pipe (or dies, or we stop)."""
+    reader, proc = state.ready_reader, state.proc
+    assert reader is not None and proc is not None
+    while not state.stop_event.is_set():
+        if reader.poll(0.2):
+            try:
+                return reader.recv()
+            except EOFError:
+                break
+        if not proc.is_alive():
+            break
+    code = proc.exitcode
+    return {"status": "error", "message": f"the scheduler process exited (code {code}) before it was ready"}
+
+
+async def _startup(state: ServerState) -> None:
+    """Load the tokenizer while the scheduler loads the model; then mark ready and watch the scheduler."""
+    args = state.server_args
+    manager = state.manager
+    try:
+        tokenizer_task = asyncio.ensure_future(asyncio.to_thread(load_server_tokenizer, args))
+        # When the scheduler fails first, nobody awaits the tokenizer: mark its error as seen, or asyncio
+        # prints it with a traceback ("exception was never retrieved") when the task is collected.
+        tokenizer_task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        msg = await asyncio.to_thread(_wait_ready, state)
+        if state.stop_event.is_set():
+            return
+        if msg.get("status") != "ready":
+            state.fail(f"The scheduler failed to start: {msg.get('message')}")
+            return
+        try:
+            tokenizer = await tokenizer_task
+        except Exception as exc:
+            state.fail(f"Could not load the tokenizer: {type(exc).__name__}: {exc}")
+            return
+        manager.set_tokenizer(tokenizer)
+        manager.model_info = dict(msg.get("model_info") or {})
+        state.ready = True
+        info = manager.model_info
+        logger.info("servelm ready in %.1f s: model %s (%s), dtype %s, KV capacity %s tokens, context %s, "
+                    "serving at http://%s:%d", time.monotonic() - state.started_at, state.model_name,
+                    info.get("architecture", "?"),
+                    info.get("dtype", "?"), info.get("kv_capacity_tokens", "?"),
+                    info.get("max_context_length", "?"), args.host, args.port)
+        while True:
+            await asyncio.sleep(0.5)
+            proc = state.proc
+            if proc is not None and not proc.is_alive() and not state.shutting_down:
+                rank = " (TP rank 0)" if args.tp_size > 1 else ""
+                state.fail(f"The scheduler process{rank} died unexpectedly (exit code {proc.exitcode}); stopping")
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # never leave the server half-started
+        logger.exception("startup failed")
+        state.fail(f"Startup failed: {type(exc).__name__}: {exc}")
+
+
+def _stop_scheduler(proc: Any) -> None:
+    if proc is None or not proc.is_alive():
+        return
+    logger.info("Stopping the scheduler process")
+    proc.terminate()
+    proc.join(SCHEDULER_STOP_TIMEOUT_S)
+    if proc.is_alive():
+        logger.warning("The scheduler process did not stop within %.0fs; killing it", SCHEDULER_STOP_TIMEOUT_S)
+        proc.kill()
+        proc.join(SCHEDULER_STOP_TIMEOUT_S)
+    logger.info("Scheduler process stopped (exit code %s)", proc.exitcode)
+    # NOTE: starting a 'spawn' process also started multiprocessing's resource tracker, a child
+    # that ignores SIGTERM (so a process reaper would wait for it, then SIGKILL it). Stop it
+    # now; it restarts by itself if anything needs it again. `_stop` is private, hence getattr.
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    with contextlib.suppress(Exception):
+        getattr(tracker, "_stop", lambda: None)()
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without re-raising the stop signal after a graceful shutdown, so that
+    `launch_server` returns normally on Ctrl-C/SIGTERM; new requests get 503 meanwhile."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.state.shutting_down = True
+        if self.state.stop_signal is None:
+            self.state.stop_signal = sig
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        # Drain before uvicorn's own shutdown, which would cancel the running handlers mid-request
+        # (plain-text 500s, streams cut without [DONE], CancelledError tracebacks).
+        if not self.force_exit:
+            await _drain(self.state)
+        await super().shutdown(sockets)
+
+
+async def _drain(state: ServerState) -> None:
+    """Stop gracefully: new requests already get 503 (`shutting_down`, while the port stays open); running
+    ones get up to --shutdown-timeout seconds (none on Ctrl-C, which a person wants at once) to finish;
+    then each still open is ended with a 503 error body, or an SSE error event and [DONE]."""
+    manager = state.manager
+    grace = 0.0 if state.stop_signal == signal.SIGINT else state.server_args.shutdown_timeout
+    deadline = time.monotonic() + grace
+    while manager.num_in_flight and time.monotonic() < deadline and state.proc is not None and state.proc.is_alive():
+        await asyncio.sleep(0.05)
+    if manager.num_in_flight:
+        logger.warning("Shutting down: ending %d running request(s) with an error%s", manager.num_in_flight,
+                       f" after the {grace:g}s grace period (--shutdown-timeout)" if grace else "")
+        manager.fail_all("The server is shutting down")
+    # uvicorn's shutdown then waits (timeout_graceful_shutdown) for the handlers to send those errors.
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on; ServerError (one line) when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServerError(f"Port {port} on {host} is already in use (another server?): stop it or pass "
+                              f"another --port") from None
+        raise ServerError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("servelm").setLevel(level.upper())
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the scheduler process and serve HTTP until Ctrl-C/SIGTERM; blocks for the server's lifetime.
+
+    Raises ServerError when the scheduler fails to start or dies, and SystemExit
+    when uvicorn cannot bind the port. The scheduler process is stopped on
+    every way out.
+    """
+    _configure_logging(server_args.log_level)
+    if server_args.node_rank > 0:
+        # Other nodes of a multi-node TP group only run their ranks; node 0 serves HTTP.
+        from servelm.managers.tp_worker import run_node_workers
+
+        code = run_node_workers(server_args)
+        if code:
+            raise ServerError(f"a TP rank on node {server_args.node_rank} exited with code {code}")
+        return
+    # The port first, before the model loads: a port in use is one line at once, not after the load.
+    sock = _listen_socket(server_args.host, server_args.port)
+    tmpdir = tempfile.mkdtemp(prefix="servelm-")
+    to_scheduler = f"ipc://{os.path.join(tmpdir, 'to_scheduler')}"
+    from_scheduler = f"ipc://{os.path.join(tmpdir, 'from_scheduler')}"
+    model_name = served_model_name(server_args)
+    metrics = ServerMetrics(model_name)
+    manager = TokenizerManager(server_args, to_scheduler, from_scheduler, metrics)
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    # Not a daemon: under TP the scheduler process starts the other ranks. It still dies with
+    # this process (die_with_parent) and is stopped on every way out below.
+    proc = ctx.Process(target=run_scheduler_process, name="servelm-scheduler", daemon=False,
+                       args=(server_args, to_scheduler, from_scheduler, writer, os.getpid()))
+    state = ServerState(server_args=server_args, model_name=model_name, manager=manager, metrics=metrics,
+                        proc=proc, ready_reader=reader)
+    try:
+        logger.info("Loading model %s in the scheduler process", server_args.model_path or "(default model)")
+        proc.start()
+        writer.close()
+        app = build_app(state, lifespan=scheduler_lifespan(state))
+        config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
+                                log_level=server_args.uvicorn_log_level or server_args.log_level,
+                                access_log=not server_args.disable_uvicorn_access_log, timeout_graceful_shutdown=3,
+                                timeout_keep_alive=5)
+        server = _UvicornServer(config, state)
+        state.uvicorn_server = server
+        # uvicorn logs no "Uvicorn running on ..." for a socket it is given: nothing may be sent yet, and
+        # "servelm ready" is the line that says when.
+        logger.info("HTTP port open at http://%s:%d; loading the model (requests get 503 until it is ready)",
+                    server_args.host, server_args.port)
+        server.run(sockets=[sock])
+    finally:
+        state.shutting_down = True
+        state.stop_event.set()
+        _stop_scheduler(proc)
+        with contextlib.suppress(Exception):
+            manager.close()
+        reader.close()
+        sock.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    if state.fatal_error:
+        raise ServerError(state.fatal_error)

@@ -1,0 +1,192 @@
+"""SGLang's native endpoints and the server's operations: /generate, tokenize/detokenize, /health_generate,
+/model_info, /server_info, /flush_cache, /abort_request."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import Response
+
+from servelm import __version__
+from servelm.entrypoints.http_common import ApiError, bad, error_response
+from servelm.entrypoints.openai_protocol import (
+    AbortRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeRequest,
+)
+from servelm.entrypoints.serving_base import OpenAIServing
+from servelm.entrypoints.streaming import Accumulated, ClientGone, collect, sse, stream_events
+from servelm.managers.tokenizer_manager import (
+    QueueFullError,
+    SchedulerUnavailableError,
+    tokenizer_display_path,
+)
+from servelm.sampling_params import SamplingParams, SamplingParamsError
+
+_SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
+_SAMPLING_ADAPTER = pydantic.TypeAdapter(SamplingParams)
+
+
+def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a native request's dict, with 400s naming the field for unknown keys or bad types."""
+    data = dict(raw)
+    for key in data:
+        if key not in _SAMPLING_FIELDS:
+            raise bad(f"sampling_params: unknown sampling parameter '{key}'", f"sampling_params.{key}")
+    if isinstance(data.get("stop"), str):
+        data["stop"] = [data["stop"]]
+    try:
+        params = _SAMPLING_ADAPTER.validate_python(data)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        name = str(first["loc"][0]) if first.get("loc") else "sampling_params"
+        raise bad(f"sampling_params.{name}: {first['msg']}", f"sampling_params.{name}") from None
+    for name in _SAMPLING_FIELDS:
+        value = getattr(params, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad(f"sampling_params.{name}: must be a finite number, got {value}", f"sampling_params.{name}")
+    return params
+
+
+class ServingNative(OpenAIServing):
+    """The native endpoints."""
+
+    async def generate(self, req: GenerateRequest, request: Request) -> Any:
+        """POST /generate (SGLang's native API): text or input_ids, one or a batch."""
+        if (req.text is None) == (req.input_ids is None):
+            raise bad("give exactly one of text or input_ids", "text")
+        if req.text is not None:
+            batch = isinstance(req.text, list)
+            prompts = [self.manager.encode(t) for t in (req.text if batch else [req.text])]  # type: ignore[union-attr]
+            param = "text"
+        else:
+            ids_in = req.input_ids or []
+            batch = bool(ids_in) and isinstance(ids_in[0], list)
+            prompts = [list(p) for p in ids_in] if batch else [list(ids_in)]  # type: ignore[arg-type]
+            param = "input_ids"
+        if not prompts:
+            raise bad(f"{param} must not be empty", param)
+        for ids in prompts:
+            self.check_ids(ids, param)
+        params = native_sampling_params(req.sampling_params)
+        ctx = self.manager.context_length
+        longest = max(len(p) for p in prompts)
+        try:
+            params.validate(self.manager.vocab_size)
+        except SamplingParamsError as exc:
+            name = "max_new_tokens" if exc.param == "max_tokens" else exc.param
+            raise bad(f"sampling_params.{name}: {exc}", f"sampling_params.{name}") from None
+        if ctx and longest + params.max_new_tokens > ctx:
+            raise bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                      f"{longest + params.max_new_tokens} tokens ({longest} in the prompt, "
+                      f"{params.max_new_tokens} to generate).", "sampling_params.max_new_tokens")
+        rid = req.rid or uuid.uuid4().hex
+        group = self.submit(prompts, params, rid, req.stream)
+
+        def meta(index: int, acc: Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
+            return {"id": group.subs[index].public_id, "finish_reason": acc.finish_reason,
+                    "prompt_tokens": acc.prompt_tokens or len(prompts[index // params.n]),
+                    "completion_tokens": acc.completion_tokens or len(acc.token_ids),
+                    "cached_tokens": acc.cached_tokens,
+                    **({"output_token_logprobs": acc.logprobs, "output_top_logprobs": acc.top_logprobs}
+                       if params.logprobs else {}),
+                    **({"input_token_logprobs": acc.prompt_logprobs, "input_top_logprobs": acc.prompt_top_logprobs}
+                       if params.prompt_logprobs and with_prompt_logprobs else {})}
+
+        def item(index: int, acc: Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
+            return {"text": "".join(acc.text), "output_ids": acc.token_ids, "index": index,
+                    "meta_info": meta(index, acc, with_prompt_logprobs)}
+
+        def stream() -> AsyncIterator[str]:
+            # Cumulative text per chunk, as SGLang's /generate streams it.
+            # The prompt's logprobs go once, in the event of the output that carried them.
+            return stream_events(group, lambda index, out, acc: iter([
+                sse(item(index, acc, with_prompt_logprobs=out.prompt_logprobs is not None))]))
+
+        result = await self.run_or_stream(group, request, stream() if req.stream else None)
+        if not isinstance(result, list):
+            return result
+        items = [item(i, acc) for i, acc in enumerate(result)]
+        return items if batch or len(items) > 1 else items[0]
+
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """POST /v1/tokenize: a prompt or chat messages (through the chat template) to token ids."""
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad("give exactly one of prompt or messages", "prompt")
+        if req.messages is not None:
+            if not req.messages:
+                raise bad("messages must be a non-empty list of messages", "messages")
+            try:
+                ids = self.manager.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in req.messages],
+                                                   req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
+            except Exception as exc:
+                raise bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
+        else:
+            ids = self.manager.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.manager.context_length}
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        """POST /v1/detokenize: token ids to text."""
+        self.check_model(req.model)
+        vocab = self.manager.vocab_size
+        for pos, t in enumerate(req.tokens):
+            if not 0 <= t < vocab:
+                raise bad(f"tokens: token id {t} at position {pos} is out of range [0, {vocab})", "tokens")
+        return {"prompt": self.manager.decode(req.tokens)}
+
+    async def health_generate(self, request: Request) -> Response:
+        """GET /health_generate: 200 once the model generated one token."""
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        ids = self.manager.encode("Hello", add_special_tokens=True) or [0]
+        try:
+            group = self.manager.submit([ids], params, f"health-{uuid.uuid4().hex}", False)
+            accs = await asyncio.wait_for(collect(group, request), timeout=30)
+        except (QueueFullError, asyncio.TimeoutError, ClientGone) as exc:
+            return error_response(503, f"generation health check failed: {type(exc).__name__}: {exc}",
+                                  type="service_unavailable")
+        if not accs[0].token_ids:
+            return error_response(503, f"generation health check failed: {accs[0].finish_reason}",
+                                  type="service_unavailable")
+        return Response(status_code=200)
+
+    async def model_info(self) -> dict[str, Any]:
+        """GET /model_info: what is served."""
+        args = self.state.server_args
+        return {**self.manager.model_info, "model_path": args.model_path or self.manager.model_info.get("model_path"),
+                "tokenizer_path": tokenizer_display_path(args), "served_model_name": self.state.model_name,
+                "is_generation": True}
+
+    async def server_info(self) -> dict[str, Any]:
+        """GET /server_info: the scheduler's live state and the server's arguments (API key masked)."""
+        info = await self.scheduler_call(self.manager.server_info())
+        server_args = dataclasses.asdict(self.state.server_args)
+        if server_args.get("api_key"):
+            server_args["api_key"] = "***"
+        return {**info, "num_in_flight": self.manager.num_in_flight, "server_args": server_args,
+                "version": __version__}
+
+    async def scheduler_call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except SchedulerUnavailableError as exc:
+            raise ApiError(503, str(exc), type="service_unavailable") from None
+
+    async def flush_cache(self) -> Any:
+        """POST /flush_cache: empty the prefix cache (refused while requests run)."""
+        out = await self.scheduler_call(self.manager.flush_cache())
+        if not out.success:
+            raise bad(f"Cache not flushed: {out.message or 'requests are running'}")
+        return {"success": True, "message": "Cache flushed."}
+
+    async def abort_request(self, req: AbortRequest) -> dict[str, Any]:
+        """POST /abort_request: abort the request (or one sample of it) with exactly this rid."""
+        return {"success": self.manager.abort_request(req.rid)}
