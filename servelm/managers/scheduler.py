@@ -120,9 +120,10 @@ class Scheduler:
         from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility, resolve_model_path
         from servelm.model_loader.source import load_model_source
 
-        server_args = with_dist_init_addr(server_args)
+        # The default model is resolved (and logged) once, here; every rank then gets its path.
+        server_args = with_dist_init_addr(server_args.replace(model_path=resolve_model_path(server_args.model_path)))
         # Checked before any rank process starts, so a bad --tp-size is one clear error.
-        source = load_model_source(resolve_model_path(server_args.model_path))
+        source = load_model_source(server_args.model_path)
         check_tp_divisibility(source.config, server_args.tp_size)
         workers = start_local_workers(server_args)
         try:
