@@ -1,4 +1,4 @@
-"""Registry rules of spec/serve-backends.md, with fake entry points (no installs)."""
+"""Registry rules of docs/serve-backends.md, with fake entry points (no installs)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`servelm serve`: argv normalisation, backend selection, and child-process cleanup.
 
-The order of reading argv is part of the contract (spec/serve-backends.md):
+The order of reading argv is part of the contract (docs/serve-backends.md):
 `--model-type` is taken out first wherever it stands, then a leading
 positional argument becomes `--model-path MODEL`, then the model path is read
 from the flags or from a `--config` YAML file. Everything after that belongs

@@ -1,7 +1,7 @@
 """The one entry point for collectives used by model code.
 
 `tensor_model_parallel_all_reduce` dispatches in the order of
-spec/distributed.md: world of one -> deterministic -> quick -> plain
+docs/distributed.md: world of one -> deterministic -> quick -> plain
 `dist.all_reduce`. Which path ran is counted in `all_reduce_stats()` so tests
 (and the bench) can prove it.
 """

@@ -5,7 +5,7 @@ so single-process code paths need no special cases. Collectives are called
 only through `servelm.distributed.communicator` (and its siblings in this
 package).
 
-Every TP group has two process groups (see spec/distributed.md, "Groups"):
+Every TP group has two process groups (see docs/distributed.md, "Processes and groups"):
 * `device_group`: NCCL on CUDA, gloo on CPU; carries tensors of the forward.
 * `cpu_group`: always gloo; carries metadata, barriers and object broadcasts,
   so scheduling traffic never queues behind (or inside) device kernels.

@@ -1,35 +1,15 @@
 """Quick all-reduce: a two-shot, block-quantised all-reduce for bandwidth-bound messages.
 
-Algorithm (spec/distributed.md, "Quick all-reduce"), for a world of `ws` ranks:
-1. Flatten, pad to `ws` equal segments of a multiple of 32 values.
-2. Block-quantise every segment: blocks of 32 consecutive values, symmetric,
-   one fp32 scale per block (`scale = absmax / qmax`, codes
-   `round(x / scale)` in [-qmax, qmax]). FP mode sends the values unquantised
-   (in the input dtype).
-3. Reduce-scatter as one `all_to_all_single` over the packed payload: rank j
-   receives every rank's copy of segment j.
-4. Dequantise and sum the own segment in fp32, in rank order.
-5. Re-quantise the sum, all-gather it (`all_gather_single`), dequantise all
-   segments. Every rank dequantises the same bytes, so the result is
-   bit-identical on every rank (TP ranks must never diverge).
-
-Wire format per block of 32 values: INT8 32 bytes of codes; INT6 24 bytes
-(four 6-bit codes in three bytes); INT4 16 bytes (two nibbles per byte); plus a
-4-byte fp32 scale. INT6/INT4 codes are biased to unsigned (code + qmax + 1)
-before packing, so the payload really is 6/4 bits a value: the bench measures
-the bandwidth it saves, not only the error.
-
-Error model (per block, exact real arithmetic; `q` = qmax = 127/31/7, `A_r` =
-absmax of rank r's block, `S` = exact sum):
-* round 1: each rank's value is off by at most `s_r/2 = A_r/(2q)`, so the
-  dequantised sum S' satisfies |S' - S| <= E1 = sum_r A_r / (2q);
-* round 2: the scale of S' is at most (sum_r A_r + E1)/q, so re-quantising adds
-  at most (sum_r A_r + E1)/(2q);
-* total: |out - S| <= sum_r A_r / (2q) * (2 + 1/(2q)).
-fp32 arithmetic adds a few ulps of sum_r A_r, and a float16/bfloat16 output a
-half ulp of the result; `error_bound` returns all of it per element and the
-tests check measured errors against it. FP mode is the fp32 rank-order sum,
-cast back: exact up to fp32 summation order.
+Why: a large all-reduce is bound by bytes on the wire, and INT8/INT6/INT4
+codes with one fp32 scale per 32 values send 1.1/0.9/0.6 bytes a value
+instead of 4. Two shots (reduce-scatter as one all-to-all, sum the own
+segment in fp32 in rank order, re-quantise, all-gather) make every rank
+dequantise the same bytes, so the result is bit-identical on every rank. It
+is lossy by design: `error_bound` is the derived per-element bound the tests
+check, `|out - S| <= sum_r A_r / (2q) * (2 + 1/(2q))` per block of 32 values
+(q = qmax, A_r = absmax of rank r's block).
+Algorithm, wire format and the derivation: docs/measurements/quick-allreduce.md;
+the user contract: docs/distributed.md, "Quick all-reduce".
 """
 
 from __future__ import annotations
@@ -151,10 +131,11 @@ _MANTISSA_BITS = {torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 
 def error_bound(inputs: Sequence[torch.Tensor], mode: str) -> torch.Tensor:
-    """Per-element bound on |quick_all_reduce(x) - exact sum| given every rank's input (see module docstring).
+    """Per-element bound on |quick_all_reduce(x) - exact sum| given every rank's input.
 
     Returns fp64, shaped like one input. Assumes the block layout of
     `quick_all_reduce` (32 consecutive values of the flattened tensor per block).
+    Derivation: docs/measurements/quick-allreduce.md, "Error bound".
     """
     ws = len(inputs)
     shape, dtype, n = inputs[0].shape, inputs[0].dtype, inputs[0].numel()

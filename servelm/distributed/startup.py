@@ -1,6 +1,6 @@
 """Start-up checks of a TP group: communicator warm-up and memory balance.
 
-Order at start-up (spec/distributed.md): all-reduce warm-up, the LM-head
+Order at start-up (docs/distributed.md): all-reduce warm-up, the LM-head
 all-to-all warm-up when enabled (its buffers must exist before memory is
 measured), then `check_memory_balance`, whose result every rank uses to size
 its KV pool so the pools are identical. `run_startup_checks` does all three.

@@ -1,16 +1,15 @@
 """Attention over the paged KV cache in plain PyTorch.
 
-NOTE (CPU performance): advanced indexing (`cache[idx]`) and `index_put_` are
-~100x slower than `index_select` / `index_copy_` for these shapes on CPU, and
-SDPA costs ~0.4 ms per call for a one-token decode query while two small
-matmuls take ~0.02 ms; so decode uses explicit matmuls and prefill uses SDPA.
+Why this shape: on CPU, `index_select` / `index_copy_` beat advanced indexing
+by far, and two small matmuls beat SDPA for a one-token decode query; so
+decode uses explicit matmuls and prefill uses SDPA.
 
 With `--enable-deterministic-inference` both prefill and decode go through
 one batch-invariant path instead (`BatchInvariantAttention`): SDPA and the
-decode matmuls reduce over a key count that depends on the batch (the padded
-decode length, the prefill chunk), and neither MKL's gemm nor torch's sum
-gives the same bits when that length changes, even by zero padding (see
-servelm.layers.batch_invariant).
+decode matmuls reduce over a key count that depends on the batch, and
+neither MKL's gemm nor torch's sum gives the same bits when that length
+changes. Measurements and costs of both paths:
+docs/measurements/decode-attention.md.
 """
 
 from __future__ import annotations
@@ -114,15 +113,8 @@ class PagedAttention(nn.Module):
 # the number of query rows per matmul, which `RowRule` pads to a count probed
 # to be invariant (MKL's batched gemm here: any M >= 4; the group of 3 query
 # heads per KV head of SmolLM2 is therefore padded to 4 rows).
-#
-# Where the cost goes (SmolLM2-135M on this 2-core CPU, against the SDPA/matmul
-# fast path): decode reads the same K/V rows plus up to KV_CHUNK - 1 padding
-# keys per request and pads 3 query heads to 4 rows (+25-35% attention time
-# at batch 64, a few % of a step); each layer adds ~15 small ops, which is
-# most of the ~+3-4 ms per batch-1 decode step; prefill computes whole chunks
-# where SDPA skips the masked triangle (~2x attention FLOPs for a 600-token
-# prompt, +10-30% prefill time; +3% at 128 tokens). 32- and 128-key chunks
-# measured no better overall than 64.
+# What this costs against the fast path, and why 64-key chunks:
+# docs/measurements/decode-attention.md.
 KV_CHUNK = 64
 ATTENTION_PROBE_ROWS = 2048
 PREFILL_SLAB_TOKENS = 4 * KV_CHUNK

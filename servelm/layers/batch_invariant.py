@@ -4,51 +4,13 @@ When on, every per-row computation must give bit-identical results whatever
 else shares the batch, however prefill is chunked, and whether a prefix came
 from the radix cache. Layers consult `is_batch_invariant()`.
 
-What is and is not batch-invariant on CPU (measured on this project's CPU:
-AMD EPYC, AVX-512, torch 2.13 with MKL 2024.2 and oneDNN 3.12, 2 threads;
-"invariant" = a row's result is bitwise the same whatever the other rows are,
-how many there are, and where the row sits in the batch):
-
-* torch's F.linear / torch.mm (MKL sgemm): NOT invariant for small M. MKL
-  blocks rows by 4 for M <= 11 and computes the last `M % 4` rows (and M < 4
-  altogether) with other kernels, so e.g. row 4 of a 5-row batch differs from
-  the same row in an 8-row batch. From M = 12 up (probed to 600) every row
-  agrees. -> rule: pad to at least 12 rows.
-* oneDNN with a pre-packed weight (`torch.ops.mkldnn._linear_pointwise`, the
-  default fast path): invariant for every M >= 2 and row position; M = 1 also
-  agrees for K = 576 (q/k/v, o, gate_up and the LM head of SmolLM2) but not
-  for K = 1536 (down_proj). -> rule: pad a one-row input to two rows.
-* batched matmul (torch.matmul on 3-D+, MKL batch gemm): invariant in M for
-  M >= 4 (M = 1..3 differ), in N for N >= 12, and in the batch count; NOT
-  invariant when the reduction dimension K grows, even by zero padding
-  (MKL splits K in blocks; appending zero columns changed results from
-  K ~ 130 on). So attention must never reduce over a length that depends on
-  the batch: see `servelm.layers.attention` (fixed-size key chunks).
-* `torch.sum` / `mean` over the last dim with trailing zeros appended: NOT
-  invariant (vectorised accumulators pair differently); with a fixed length
-  and any number of rows: invariant. So RMSNorm (mean over hidden), softmax
-  and log_softmax over the vocabulary (the sampler) are per-row invariant
-  (checked for 1..1000 rows and several widths).
-* `torch.exp`: invariant per element (VML handles tails with the same vector
-  code). `F.silu`: NOT per-element invariant in general: the vectorised loop
-  handles the last `n % 32` elements of each contiguous run with scalar
-  `std::exp`, which differs from the vector exp by an ulp. In the MLP the runs
-  are rows of the intermediate size (1536 for SmolLM2, 128 for the tiny test
-  model: multiples of 32) cut where torch splits T * intermediate elements
-  between threads; with 2 threads those cuts also land on multiples of 32, so
-  no element takes the scalar path here, but more threads (5+) or an
-  intermediate size that is not a multiple of 32 can. `silu_and_mul` below is
-  the tail-free form (x / (1 + exp(-x)): exact ops and VML exp), for the MLP
-  to use in this mode.
-* Embedding lookup, rotary (index_select of cached cos/sin, elementwise
-  mul/add), residual adds, argmax, and the sampler's per-row Gumbel draws from
-  a per-row generator: exact elementwise or per-row, hence invariant.
-
-Because the matmul facts depend on the BLAS library, its version, the CPU and
-the thread count, they are not trusted blindly: `RowRule.probe` checks, for
-each distinct matmul shape on this machine, which row counts give identical
-rows, and picks the padding rule (falling back to fixed row tiles when the
-probe finds no clean threshold).
+Why probing: BLAS kernels (MKL, oneDNN) pick different code paths for small
+or odd row counts, so a row's bits can depend on how many rows share the
+call; which counts are safe depends on the library, its version, the CPU and
+the thread count. So `RowRule.probe` checks each matmul shape on the machine
+it runs on and picks a padding rule (or fixed row tiles). `silu_and_mul` is
+the tail-free SiLU this mode needs. What was measured, kernel by kernel:
+docs/measurements/batch-invariant-kernels.md.
 """
 
 from __future__ import annotations
@@ -213,10 +175,11 @@ def invariant_linear(x: torch.Tensor, fn: RowFn, kind: str, out_features: int) -
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up; in batch-invariant mode computed as gate / (1 + exp(-gate)) * up.
 
-    F.silu's scalar tail loop rounds differently from its vector body (see the
-    module docstring), so which elements it hits depends on the batch size and
-    thread split; this form uses only exactly rounded ops and VML's exp, which
-    is invariant per element (within 1e-6 of F.silu).
+    F.silu's scalar tail loop rounds differently from its vector body, so
+    which elements it hits depends on the batch size and thread split (see
+    docs/measurements/batch-invariant-kernels.md); this form uses only exactly
+    rounded ops and VML's exp, which is invariant per element (within 1e-6 of
+    F.silu).
     """
     if not _ENABLED:
         return torch.nn.functional.silu(gate) * up
