@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from servelm.layers.sampler import SampleOutput, sample
-from servelm.managers.io_struct import GenerateReq
+from servelm.managers.io_struct import FinishReason, GenerateReq
 from servelm.managers.scheduler import Scheduler, SchedulerConfig
 from servelm.model_executor.forward_batch import StepInput
 
@@ -177,7 +177,7 @@ def test_abort_frees_kv_at_once() -> None:
     s.step()
     assert s.in_use_pages() > 0
     outs = s.abort_request("a") + s.abort_request("b")
-    assert {o.finish_reason["type"] for o in outs} == {"abort"}
+    assert {o.finish_reason.type for o in outs} == {"abort"}
     assert not s.has_work() and s.in_use_pages() == 0
     s.check_integrity()
 
@@ -196,7 +196,7 @@ def test_eos_min_tokens_stop_ids_and_stop_strings() -> None:
     outs = []
     while s.has_work():
         outs += s.step()
-    assert outs[-1].finish_reason == {"type": "stop", "matched": text[2:4]}
+    assert outs[-1].finish_reason == FinishReason.stop(text[2:4])
     assert "".join(o.text for o in outs) == text[: text.index(text[2:4])]
 
 
@@ -233,7 +233,7 @@ def test_max_new_tokens_zero_only_scores_the_prompt(chunk: int) -> None:
             outs[o.rid] = o
         s.check_integrity()
     z = outs["z"]
-    assert z.token_ids == [] and z.completion_tokens == 0 and z.finish_reason == {"type": "length", "matched": None}
+    assert z.token_ids == [] and z.completion_tokens == 0 and z.finish_reason == FinishReason.length()
     assert len(z.prompt_logprobs) == len(prompt) and z.prompt_logprobs[0] is None
     assert all(lp is not None and lp <= 0 for lp in z.prompt_logprobs[1:])
     assert len(outs["g"].token_ids) == 2 and s.in_use_pages() == 0

@@ -13,7 +13,15 @@ import pytest
 import zmq
 
 from servelm.config import ServerArgs
-from servelm.managers.io_struct import AbortReq, BatchTokenOut, GenerateReq, TokenOut, decode, encode
+from servelm.managers.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FinishReason,
+    GenerateReq,
+    TokenOut,
+    decode,
+    encode,
+)
 from servelm.managers.tokenizer_manager import CapacityError, DuplicateRequestIdError, TokenizerManager
 from servelm.metrics import ServerMetrics
 from servelm.sampling_params import SamplingParams
@@ -40,7 +48,7 @@ class FakeScheduler:
     def finish(self, rid: str, tokens: list[int]) -> None:
         self.send.send(encode(BatchTokenOut([TokenOut(
             rid=rid, token_ids=tokens, text="x" * len(tokens), prompt_tokens=3, completion_tokens=len(tokens),
-            cached_tokens=0, finish_reason={"type": "length", "matched": None})])))
+            cached_tokens=0, finish_reason=FinishReason.length())])))
 
     def close(self) -> None:
         self.recv.close(0)

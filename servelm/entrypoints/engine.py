@@ -12,47 +12,27 @@ from typing import Any
 
 from servelm.config import ServerArgs
 from servelm.cpu_threads import configure_cpu_threads
-from servelm.managers.io_struct import GenerateReq, TokenOut
+from servelm.managers.io_struct import GenerateReq, OutputAccumulator
 from servelm.managers.scheduler import Scheduler
 from servelm.sampling_params import SamplingParams
 
 
-class _Result:
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.text = ""
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.top: list[list[tuple[int, float]]] = []
-        self.prompt_logprobs: list[float | None] | None = None
-        self.prompt_top: list[list[tuple[int, float]] | None] | None = None
-        self.last: TokenOut | None = None
-
-    def add(self, out: TokenOut) -> None:
-        self.text += out.text
-        self.ids += out.token_ids
-        self.logprobs += out.logprobs
-        self.top += [[tuple(x) for x in t] for t in out.top_logprobs]
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-            self.prompt_top = [None if t is None else [tuple(x) for x in t] for t in out.prompt_top_logprobs or []]
-        self.last = out
-
-    def as_dict(self, want_logprobs: bool) -> dict[str, Any]:
-        last = self.last
-        assert last is not None
-        d: dict[str, Any] = {
-            "text": self.text, "output_ids": self.ids, "finish_reason": last.finish_reason,
-            "usage": {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-                      "cached_tokens": last.cached_tokens},
-        }
-        if want_logprobs:
-            d["logprobs"] = self.logprobs
-            d["top_logprobs"] = self.top
-        if self.prompt_logprobs is not None:
-            d["prompt_logprobs"] = self.prompt_logprobs
-            d["prompt_top_logprobs"] = self.prompt_top
-        return d
+def _result(acc: OutputAccumulator, want_logprobs: bool) -> dict[str, Any]:
+    """An offline request's result: text, ids, finish reason and usage (and logprobs when asked)."""
+    assert acc.finish_reason is not None
+    d: dict[str, Any] = {
+        "text": acc.full_text, "output_ids": acc.token_ids, "finish_reason": acc.finish_reason.to_dict(),
+        "usage": {"prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.completion_tokens,
+                  "cached_tokens": acc.cached_tokens},
+    }
+    if want_logprobs:
+        d["logprobs"] = acc.logprobs
+        d["top_logprobs"] = [[tuple(x) for x in t] for t in acc.top_logprobs]
+    if acc.prompt_logprobs is not None:
+        d["prompt_logprobs"] = acc.prompt_logprobs
+        d["prompt_top_logprobs"] = [None if t is None else [tuple(x) for x in t]
+                                    for t in acc.prompt_top_logprobs or []]
+    return d
 
 
 class Engine:
@@ -109,7 +89,7 @@ class Engine:
         results = {}
         for req, _ in reqs:
             self.scheduler.add_request(req)
-            results[req.rid] = _Result(req.rid)
+            results[req.rid] = OutputAccumulator()
         pending = set(results)
         try:
             while pending:
@@ -120,7 +100,7 @@ class Engine:
         finally:
             for rid in pending:
                 self.scheduler.abort_request(rid)
-        dicts = [results[req.rid].as_dict(want) for req, want in reqs]
+        dicts = [_result(results[req.rid], want) for req, want in reqs]
         if single:
             return dicts[0] if len(dicts) == 1 else dicts
         return dicts
@@ -135,8 +115,8 @@ class Engine:
                     if out.rid != req.rid:
                         continue
                     done = out.finish_reason is not None
-                    chunk: dict[str, Any] = {"text": out.text, "output_ids": out.token_ids,
-                                             "finish_reason": out.finish_reason}
+                    chunk: dict[str, Any] = {"text": out.text, "output_ids": out.token_ids, "finish_reason":
+                                             out.finish_reason.to_dict() if out.finish_reason else None}
                     if out.prompt_logprobs is not None:
                         chunk["prompt_logprobs"] = out.prompt_logprobs
                         chunk["prompt_top_logprobs"] = out.prompt_top_logprobs

@@ -92,7 +92,8 @@ class ServingNative(OpenAIServing):
         group = self.submit(prompts, params, rid, req.stream)
 
         def meta(index: int, acc: Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
-            return {"id": group.subs[index].public_id, "finish_reason": acc.finish_reason,
+            reason = acc.finish_reason.to_dict() if acc.finish_reason is not None else None
+            return {"id": group.subs[index].public_id, "finish_reason": reason,
                     "prompt_tokens": acc.prompt_tokens or len(prompts[index // params.n]),
                     "completion_tokens": acc.completion_tokens or len(acc.token_ids),
                     "cached_tokens": acc.cached_tokens,
@@ -154,7 +155,8 @@ class ServingNative(OpenAIServing):
             return error_response(503, f"generation health check failed: {type(exc).__name__}: {exc}",
                                   type="service_unavailable")
         if not accs[0].token_ids:
-            return error_response(503, f"generation health check failed: {accs[0].finish_reason}",
+            reason = accs[0].finish_reason
+            return error_response(503, f"generation health check failed: {reason and reason.to_dict()}",
                                   type="service_unavailable")
         return Response(status_code=200)
 

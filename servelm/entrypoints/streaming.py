@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
@@ -20,11 +19,9 @@ from fastapi import Request
 
 from servelm.entrypoints.http_common import ApiError, bad
 from servelm.entrypoints.openai_protocol import ErrorDetail, ErrorResponse, PromptTokensDetails, UsageInfo
-from servelm.managers.io_struct import TokenOut
+from servelm.managers.io_struct import FinishReason, OutputAccumulator, TokenOut
 from servelm.managers.tokenizer_manager import RequestGroup
 
-# The key of a finish reason that marks a fault of ours, not of the request: the client gets a 503, not a 400.
-INTERNAL = "internal"
 DISCONNECT_POLL_S = 0.05  # a hung-up client frees its KV within this much
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -35,59 +32,33 @@ def sse(obj: Any) -> str:
     return f"data: {data}\n\n"
 
 
-@dataclass
-class Accumulated:
-    """Everything one sub-request produced."""
-
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: dict[str, Any] | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-    def add(self, out: TokenOut) -> None:
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
-        self.text.append(out.text)
-        self.token_ids.extend(out.token_ids)
-        self.logprobs.extend(out.logprobs)
-        self.top_logprobs.extend(out.top_logprobs)
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
-        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
+# One request's outputs gathered (shared with the offline Engine).
+Accumulated = OutputAccumulator
 
 
 class ClientGone(Exception):
     """The client of a non-streamed request hung up (its request was aborted)."""
 
 
-def finish_reason_str(reason: dict[str, Any] | None) -> str | None:
+def finish_reason_str(reason: FinishReason | None) -> str | None:
     """The OpenAI finish_reason string of a scheduler finish reason."""
-    return None if reason is None else str(reason.get("type"))
+    return None if reason is None else reason.type
 
 
-def matched(reason: dict[str, Any] | None) -> int | str | None:
+def matched(reason: FinishReason | None) -> int | str | None:
     """The stop string or token id that ended the output (SGLang's matched_stop), if any."""
-    return None if reason is None else reason.get("matched")
+    return None if reason is None else reason.matched
 
 
 def error_of(out: TokenOut | Accumulated) -> ApiError | None:
-    """The error a request that the scheduler refused or lost should answer, else None."""
+    """The error a request that the scheduler refused or lost should answer, else None (a partial result
+    or a client's abort is an answer: its finish reason is "abort")."""
     reason = out.finish_reason
-    if not reason or reason.get("type") != "abort" or "message" not in reason:
+    if reason is None or not reason.is_failure:
         return None
-    if reason.get(INTERNAL):
-        return ApiError(503, str(reason["message"]), type="service_unavailable")
-    if out.token_ids or reason["message"] == "aborted":
-        return None  # a partial result or an /abort_request: reported as finish_reason "abort"
-    return bad(str(reason["message"]))
+    if reason.internal:
+        return ApiError(503, str(reason.message), type="service_unavailable")
+    return None if out.token_ids else bad(str(reason.message))
 
 
 def stream_error_event(err: ApiError) -> str:

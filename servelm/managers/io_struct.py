@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 
 @dataclass
@@ -51,19 +51,64 @@ class ServerInfoOut:
     info: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request stopped (as SGLang's FINISH_* classes and vLLM's FinishReason).
+
+    `stop`: an EOS or stop token (`matched` is its id), a stop string (`matched` is the string) or a complete
+    constraint (`matched` None); `length`: max_new_tokens or the context length; `abort`: the client hung up
+    or asked (`message` "aborted"), or the request failed (`message` says why; `internal` when the fault is
+    ours, which a client gets as a 503, not a 400).
+    """
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    message: str | None = None
+    internal: bool = False
+
+    ABORTED: ClassVar[str] = "aborted"  # the message of an abort that a client asked for
+
+    @classmethod
+    def stop(cls, matched: int | str | None = None) -> FinishReason:
+        return cls("stop", matched)
+
+    @classmethod
+    def length(cls) -> FinishReason:
+        return cls("length")
+
+    @classmethod
+    def abort(cls, message: str = ABORTED, internal: bool = False) -> FinishReason:
+        return cls("abort", message=message, internal=internal)
+
+    @property
+    def is_failure(self) -> bool:
+        """An abort that is an error to report (the request failed), not one that a client asked for."""
+        return self.type == "abort" and self.message not in (None, self.ABORTED)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire format of /generate's meta_info and the Engine: {"type", "matched", "message"?}."""
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> FinishReason:
+        return cls(data["type"], data.get("matched"), data.get("message"), bool(data.get("internal", False)))
+
+
 @dataclass
 class TokenOut:
     """What one request produced in one scheduler step.
 
-    `text` is the newly detokenized text (stop strings already trimmed);
-    `finish_reason` is None while running, else {"type": "stop"|"length"|"abort",
-    "matched": <stop string or token id or None>, "message": str?}.
+    `text` is the newly detokenized text (stop strings already trimmed); `finish_reason` is None while the
+    request runs.
     """
 
     rid: str
     token_ids: list[int]
     text: str
-    finish_reason: dict[str, Any] | None
+    finish_reason: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -96,5 +141,46 @@ def decode(raw: bytes) -> Any:
     cls = _TYPES[obj["type"]]
     data = obj["data"]
     if cls is BatchTokenOut:
-        return BatchTokenOut([TokenOut(**o) for o in data["outputs"]])
+        return BatchTokenOut([_token_out(o) for o in data["outputs"]])
+    if cls is TokenOut:
+        return _token_out(data)
     return cls(**data)
+
+
+def _token_out(data: dict[str, Any]) -> TokenOut:
+    reason = data.get("finish_reason")
+    return TokenOut(**{**data, "finish_reason": None if reason is None else FinishReason.from_dict(reason)})
+
+
+@dataclass
+class OutputAccumulator:
+    """Everything one request produced so far, gathered from its TokenOuts: what the HTTP server answers a
+    non-streamed request with, and what the offline Engine returns."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    def add(self, out: TokenOut) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+        self.text.append(out.text)
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.top_logprobs.extend(out.top_logprobs)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = max(self.completion_tokens, out.completion_tokens)
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+
+    @property
+    def full_text(self) -> str:
+        return "".join(self.text)

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from servelm.constrained import GrammarFactory
 from servelm.layers.sampler import SampleOutput, SamplingRow
 from servelm.managers.detokenizer import IncrementalDetokenizer
-from servelm.managers.io_struct import GenerateReq, TokenOut
+from servelm.managers.io_struct import FinishReason, GenerateReq, TokenOut
 from servelm.mem_cache.kv_pool import PageAllocator, slots_for
 from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, check_integrity
 from servelm.model_executor.forward_batch import StepInput
@@ -54,7 +54,7 @@ class Req:
     node: Any = None
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     admitted: bool = False
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     # Not yet handed out (a non-streaming request gets everything at the end):
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
@@ -175,10 +175,10 @@ class Scheduler:
         outs = []
         for r in [r for r in self.waiting if r.rid == rid]:
             self.waiting.remove(r)
-            outs.append(self._finish(r, {"type": "abort", "matched": None, "message": "aborted"}))
+            outs.append(self._finish(r, FinishReason.abort()))
         for r in [r for r in self.running if r.rid == rid]:
             self.running.remove(r)
-            outs.append(self._finish(r, {"type": "abort", "matched": None, "message": "aborted"}))
+            outs.append(self._finish(r, FinishReason.abort()))
         return outs
 
     def has_work(self) -> bool:
@@ -348,7 +348,7 @@ class Scheduler:
                     outputs.append(self._make_out(req))
         for req in prefilled_only:
             self.running.remove(req)
-            outputs.append(self._finish(req, {"type": "length", "matched": None}))
+            outputs.append(self._finish(req, FinishReason.length()))
         return outputs
 
     def _share_prefix(self, req: Req) -> None:
@@ -369,8 +369,7 @@ class Scheduler:
         p = req.params
         if req.matcher is not None and not req.matcher.consume_token(token) and token not in self.eos_token_ids:
             # Not reachable while the mask is applied; kept out of the output if it ever happens.
-            req.finish_reason = {"type": "abort", "matched": None,
-                                 "message": f"constrained decoding failed: {req.matcher.get_error()}"}
+            req.finish_reason = FinishReason.abort(f"constrained decoding failed: {req.matcher.get_error()}")
             return
         req.output_ids.append(token)
         req.pending_ids.append(token)
@@ -379,17 +378,17 @@ class Scheduler:
             req.pending_top.append(top or [])
         self.stats["generation_tokens"] += 1
         if token in p.stop_token_ids:
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop(token)
         elif not p.ignore_eos and token in self.eos_token_ids:
-            req.finish_reason = {"type": "stop", "matched": token}
+            req.finish_reason = FinishReason.stop(token)
         else:
             stop_str = req.detok.add(token)
             if stop_str is not None:
-                req.finish_reason = {"type": "stop", "matched": stop_str}
+                req.finish_reason = FinishReason.stop(stop_str)
             elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_context_len:
-                req.finish_reason = {"type": "length", "matched": None}
+                req.finish_reason = FinishReason.length()
             elif req.matcher is not None and req.matcher.is_stopped():
-                req.finish_reason = {"type": "stop", "matched": None}  # the constraint is complete
+                req.finish_reason = FinishReason.stop()  # the constraint is complete
 
     def _make_out(self, req: Req) -> TokenOut:
         finished = req.finish_reason is not None
@@ -405,10 +404,10 @@ class Scheduler:
         req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
         return out
 
-    def _finish(self, req: Req, reason: dict[str, Any]) -> TokenOut:
+    def _finish(self, req: Req, reason: FinishReason) -> TokenOut:
         req.finish_reason = reason
         self._release(req)
-        self.stats["aborted" if reason["type"] == "abort" else "finished"] += 1
+        self.stats["aborted" if reason.type == "abort" else "finished"] += 1
         return self._make_out(req)
 
     # ------------------------------------------------------------ control

@@ -6,7 +6,7 @@ busy one never waits for a message between steps. Every step's outputs go
 back as one `BatchTokenOut`.
 
 Bad input never ends the loop: `add_request` errors come back to the API as
-a finished output with `finish_reason.type == "abort"` and a message.
+a finished output with an abort `FinishReason` that says why.
 
 `SERVELM_SCHEDULER_FACTORY=module:attr` (an environment variable, read in
 this process) replaces `Scheduler.from_server_args` with `attr(server_args)`;
@@ -34,6 +34,7 @@ from servelm.config import ServerArgs
 from servelm.managers.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FinishReason,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -89,7 +90,7 @@ def _load_factory() -> Any:
 
 def _abort_out(req: GenerateReq, message: str) -> TokenOut:
     return TokenOut(rid=req.rid, token_ids=[], text="", prompt_tokens=len(req.input_ids), completion_tokens=0,
-                    cached_tokens=0, finish_reason={"type": "abort", "matched": None, "message": message})
+                    cached_tokens=0, finish_reason=FinishReason.abort(message))
 
 
 class SchedulerLoop:

@@ -28,6 +28,7 @@ from servelm.config import ServerArgs
 from servelm.managers.io_struct import (
     AbortReq,
     BatchTokenOut,
+    FinishReason,
     FlushCacheOut,
     FlushCacheReq,
     GenerateReq,
@@ -279,8 +280,7 @@ class TokenizerManager:
         """Finish every request in flight with an abort (the scheduler is gone)."""
         for sub in list(self._subs.values()):
             out = TokenOut(rid=sub.rid, token_ids=[], text="", prompt_tokens=0, completion_tokens=0,
-                           cached_tokens=0, finish_reason={"type": "abort", "matched": None, "message": message,
-                                          "internal": True})
+                           cached_tokens=0, finish_reason=FinishReason.abort(message, internal=True))
             self._on_output(sub, out)
         for waiters in (self._flush_waiters, self._info_waiters):
             while waiters:
@@ -310,11 +310,11 @@ class TokenizerManager:
         if out.finish_reason is not None:
             sub.finished = True
             self._forget(sub)
-            self.metrics.observe_finished(str(out.finish_reason.get("type")), now - sub.created,
+            self.metrics.observe_finished(out.finish_reason.type, now - sub.created,
                                           out.prompt_tokens, out.cached_tokens)
             if self.server_args.log_requests:
                 logger.info("request %s finished: %s, %d prompt + %d completion tokens (%d cached), %.3fs",
-                            sub.public_id, out.finish_reason, out.prompt_tokens, out.completion_tokens,
+                            sub.public_id, out.finish_reason.to_dict(), out.prompt_tokens, out.completion_tokens,
                             out.cached_tokens, now - sub.created)
         sub.group.queue.put_nowait((sub.index, out))
 
