@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from servelm.layers import batch_invariant
 from servelm.layers.attention import KV_CHUNK, BatchInvariantAttention, PagedAttention, _tree_sum
 from servelm.layers.batch_invariant import RowRule, invariant_linear
-from servelm.model_executor.forward_batch import ForwardBatch, KVCache
+from servelm.mem_cache.memory_pool import KVCache
+from servelm.model_executor.forward_batch import ForwardBatch
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from servelm.mem_cache.kv_pool import PageAllocator, pages_of, slots_for
+from servelm.mem_cache.allocator import PageAllocator, pages_of, slots_for
 from servelm.mem_cache.radix_cache import (
     BasePrefixCache,
     NoPrefixCache,

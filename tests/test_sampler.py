@@ -10,7 +10,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from servelm.layers.sampler import SamplingRow, apply_penalties, filter_logits, sample
+from servelm.layers.sampler import apply_penalties, filter_logits, sample
+from servelm.managers.schedule_batch import SamplingRow
 from servelm.sampling_params import SamplingParams
 
 

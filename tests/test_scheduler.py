@@ -13,10 +13,11 @@ import zlib
 import pytest
 import torch
 
-from servelm.layers.sampler import SampleOutput, sample
+from servelm.layers.sampler import sample
 from servelm.managers.io_struct import FinishReason, GenerateReq
+from servelm.managers.schedule_batch import SampleOutput, StepInput
 from servelm.managers.scheduler import Scheduler, SchedulerConfig
-from servelm.model_executor.forward_batch import StepInput
+from servelm.model_executor.forward_batch import ForwardBatch
 
 VOCAB = 64
 EOS = 0
@@ -37,7 +38,7 @@ class FakeRunner:
         self.max_batch = 0
 
     def execute(self, step: StepInput) -> SampleOutput | None:
-        logits = self.forward(step.to_forward_batch(torch.device("cpu")))
+        logits = self.forward(ForwardBatch.from_step(step, torch.device("cpu")))
         return sample(logits, step.sample_rows) if step.sample_rows else None
 
     def forward(self, fb) -> torch.Tensor:
@@ -237,3 +238,16 @@ def test_max_new_tokens_zero_only_scores_the_prompt(chunk: int) -> None:
     assert len(z.prompt_logprobs) == len(prompt) and z.prompt_logprobs[0] is None
     assert all(lp is not None and lp <= 0 for lp in z.prompt_logprobs[1:])
     assert len(outs["g"].token_ids) == 2 and s.in_use_pages() == 0
+
+
+def test_the_scheduler_loads_no_torch() -> None:
+    """The scheduler, its KV bookkeeping and its step messages are plain Python (unit-testable, importable
+    without a model): importing them loads neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport servelm.managers.scheduler, servelm.managers.schedule_batch, "
+            "servelm.mem_cache.allocator, servelm.mem_cache.radix_cache\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -8,11 +8,10 @@ recomputation. The draw is Gumbel-max, so filtering stays a logits mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from servelm.constrained import allowed_tokens
+from servelm.managers.schedule_batch import SampleOutput, SamplingRow
 from servelm.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -24,33 +23,6 @@ def mix_seed(seed: int, sample_index: int, position: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
-
-
-@dataclass
-class SamplingRow:
-    params: SamplingParams
-    seed: int
-    sample_index: int
-    position: int  # position of the token being sampled
-    prompt_ids: list[int]
-    output_ids: list[int]
-    banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_new_tokens
-    # A scoring row (prompt logprobs): the token at `position` is given; report its raw logprob and the
-    # top alternatives instead of drawing one.
-    target: int | None = None
-    # A constrained request's allowed next tokens, as llguidance's bitmask (servelm.constrained).
-    allowed: bytes | None = None
-
-    @property
-    def wants_logprob(self) -> bool:
-        return self.params.logprobs or self.target is not None
-
-
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]] | None]
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -8,7 +8,10 @@ one, waiting while the text ends in an incomplete character (U+FFFD).
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class IncrementalDetokenizer:

@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from servelm.constrained import GrammarFactory
-from servelm.layers.sampler import SampleOutput, SamplingRow
 from servelm.managers.detokenizer import IncrementalDetokenizer
 from servelm.managers.io_struct import FinishReason, GenerateReq, TokenOut
-from servelm.mem_cache.kv_pool import PageAllocator, slots_for
+from servelm.managers.schedule_batch import SampleOutput, SamplingRow, StepInput
+from servelm.mem_cache.allocator import PageAllocator, slots_for
 from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, check_integrity
-from servelm.model_executor.forward_batch import StepInput
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from servelm.mem_cache.kv_pool import PageAllocator, pages_of
+from servelm.mem_cache.allocator import PageAllocator, pages_of
 
 __all__ = ["BasePrefixCache", "MatchResult", "NoPrefixCache", "RadixCache", "TreeNode", "check_integrity"]
 

@@ -7,48 +7,8 @@ from typing import Any
 
 import torch
 
-
-class KVCache:
-    """Per-layer K and V storage indexed by token slot: [layers, slots, kv_heads, head_dim].
-
-    Slot numbers come from the PageAllocator (slot = page * page_size + offset);
-    this class only stores tensors and never decides who owns a slot.
-    """
-
-    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, head_dim)
-        # NOTE: uninitialised on purpose (zeroing GiBs costs seconds at start-up). Attention only ever
-        # reads slots a request wrote: decode padding repeats the row's own first slot, never slot 0.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.num_slots = num_slots
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-@dataclass
-class StepInput:
-    """One scheduler step in plain Python: what rank 0 broadcasts to the other TP ranks.
-
-    Request i adds tokens at positions [seq_len_i - extend_lens[i], seq_len_i); its KV
-    (prefix + new) is at kv_indices[i]; `sample_rows` are the sampling rows, in the order
-    of `logits_indices`.
-    """
-
-    input_ids: list[int]
-    positions: list[int]
-    out_cache_loc: list[int]
-    extend_lens: list[int]
-    kv_indices: list[list[int]]
-    logits_indices: list[int]
-    sample_rows: list[Any] = field(default_factory=list)
-
-    def to_forward_batch(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch.build(self.input_ids, self.positions, self.out_cache_loc, self.extend_lens,
-                                  self.kv_indices, self.logits_indices, device)
+from servelm.managers.schedule_batch import StepInput
+from servelm.mem_cache.memory_pool import KVCache
 
 
 @dataclass
@@ -86,6 +46,12 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every request of the step adds one token."""
         return self.decode_kv_index is not None and self.decode_tokens is None
+
+    @classmethod
+    def from_step(cls, step: StepInput, device: torch.device) -> ForwardBatch:
+        """The tensors of one scheduler step."""
+        return cls.build(step.input_ids, step.positions, step.out_cache_loc, step.extend_lens, step.kv_indices,
+                         step.logits_indices, device)
 
     @classmethod
     def build(cls, input_ids: list[int], positions: list[int], out_cache_loc: list[int], extend_lens: list[int],

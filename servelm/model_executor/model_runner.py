@@ -12,8 +12,10 @@ from tqdm import tqdm
 
 from servelm.config import ConfigError, ServerArgs
 from servelm.layers.batch_invariant import set_batch_invariant
-from servelm.layers.sampler import SampleOutput, sample
-from servelm.model_executor.forward_batch import ForwardBatch, KVCache, StepInput
+from servelm.layers.sampler import sample
+from servelm.managers.schedule_batch import SampleOutput, StepInput
+from servelm.mem_cache.memory_pool import KVCache
+from servelm.model_executor.forward_batch import ForwardBatch
 from servelm.models.llama import head_dim_of
 from servelm.models.registry import resolve_model_class
 
@@ -229,7 +231,7 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> SampleOutput | None:
         """Run `step` on this rank (every rank runs every step, in the same order)."""
-        fb = step.to_forward_batch(self.device)
+        fb = ForwardBatch.from_step(step, self.device)
         rows = step.sample_rows
         if self.tp_size > 1 and self.server_args.enable_tp_lm_head_all_to_all and rows:
             from servelm.distributed.lm_head_all_to_all import can_use_all_to_all

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from servelm.mem_cache.kv_pool import OutOfPagesError, PageAllocator, pages_of, slots_for
+from servelm.mem_cache.allocator import OutOfPagesError, PageAllocator, pages_of, slots_for
 
 
 @pytest.mark.parametrize("num_pages,page_size", [(0, 1), (-3, 1), (4, 0), (4, -1), (2.5, 1), (4, 1.0), (True, 1)])

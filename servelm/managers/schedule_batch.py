@@ -1,0 +1,58 @@
+"""The scheduler-to-runner messages, in plain Python (no torch): what one step asks the model runner to do
+and what sampling gives back (as vLLM's `v1/core/sched/output.py`).
+
+The scheduler builds a `StepInput` per step (rank 0 also broadcasts it to the other TP ranks); the runner
+turns it into tensors (`ForwardBatch.from_step`), runs the model and samples the `SamplingRow`s into a
+`SampleOutput`. Keeping these torch-free keeps the scheduler testable, and importable, without a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    position: int  # position of the token being sampled
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_new_tokens
+    # A scoring row (prompt logprobs): the token at `position` is given; report its raw logprob and the
+    # top alternatives instead of drawing one.
+    target: int | None = None
+    # A constrained request's allowed next tokens, as llguidance's bitmask (servelm.constrained).
+    allowed: bytes | None = None
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.params.logprobs or self.target is not None
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+@dataclass
+class StepInput:
+    """One scheduler step in plain Python: what rank 0 broadcasts to the other TP ranks.
+
+    Request i adds tokens at positions [seq_len_i - extend_lens[i], seq_len_i); its KV
+    (prefix + new) is at kv_indices[i]; `sample_rows` are the sampling rows, in the order
+    of `logits_indices`.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: list[int]
+    extend_lens: list[int]
+    kv_indices: list[list[int]]
+    logits_indices: list[int]
+    sample_rows: list[SamplingRow] = field(default_factory=list)
