@@ -156,12 +156,6 @@ class ServerArgs:
                     values[name] = value
         return cls(**values)
 
-    @classmethod
-    def from_cli(cls, argv: list[str], prog: str = "servelm serve") -> ServerArgs:
-        parser = argparse.ArgumentParser(prog=prog)
-        cls.add_cli_args(parser)
-        return cls.from_namespace(parser.parse_args(argv))
-
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 

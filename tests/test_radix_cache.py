@@ -23,11 +23,11 @@ class Req:
 
     tokens: list[int]
     slots: list[int]
-    own_from: int
+    cache_protected_len: int
     node: TreeNode
 
     def own_pages(self, P: int) -> list[int]:
-        return pages_of(self.slots[self.own_from:], P)
+        return pages_of(self.slots[self.cache_protected_len:], P)
 
 
 def make(num_pages: int, P: int) -> tuple[PageAllocator, RadixCache]:
@@ -47,7 +47,7 @@ def start(cache: BasePrefixCache, tokens: list[int]) -> Req:
 
 
 def finish(cache: BasePrefixCache, r: Req) -> None:
-    cache.cache_finished_req(r.tokens, r.slots, r.own_from, r.node)
+    cache.cache_finished_req(r.tokens, r.slots, r.cache_protected_len, r.node)
 
 
 def cache_seq(cache: RadixCache, tokens: list[int]) -> list[int]:
@@ -331,7 +331,7 @@ def test_two_requests_sharing_a_prefix_finish_in_either_order(P, order):
     cache_seq(cache, system)
     r1 = start(cache, system + [1] * (P + 1))
     r2 = start(cache, system + [2] * (2 * P + 3))
-    assert r1.own_from == r2.own_from == 2 * P
+    assert r1.cache_protected_len == r2.cache_protected_len == 2 * P
     assert r1.slots[:2 * P] == r2.slots[:2 * P]
     check_integrity(alloc, cache, in_use([r1, r2], P))
     assert cache.protected_pages == 2
@@ -356,7 +356,7 @@ def test_concurrent_identical_prompts_free_the_loser_duplicates(P):
     alloc, cache = make(32, P)
     tokens = list(range(3 * P))
     r1, r2 = start(cache, tokens), start(cache, tokens)  # both miss: each computes its own copy
-    assert r1.own_from == r2.own_from == 0 and set(r1.slots).isdisjoint(r2.slots)
+    assert r1.cache_protected_len == r2.cache_protected_len == 0 and set(r1.slots).isdisjoint(r2.slots)
     finish(cache, r1)
     finish(cache, r2)
     check_integrity(alloc, cache, 0)
@@ -393,7 +393,7 @@ def test_cache_finished_req_validates_arguments():
     r = start(cache, list(range(5)))
     with pytest.raises(ValueError, match="slots"):
         cache.cache_finished_req(r.tokens, r.slots[:-1], 0, r.node)
-    with pytest.raises(ValueError, match="own_from"):
+    with pytest.raises(ValueError, match="cache_protected_len"):
         cache.cache_finished_req(r.tokens, r.slots, 2, r.node)
     finish(cache, r)
     check_integrity(alloc, cache, 0)
@@ -405,22 +405,22 @@ def test_cache_unfinished_req_shares_a_running_prefill(P):
     prompt = list(range(5 * P + 1))
     r = start(cache, prompt[:2 * P + 1])  # first chunk
     aligned = (2 * P + 1) // P * P
-    res = cache.cache_unfinished_req(r.tokens, r.slots, r.own_from, r.node)
+    res = cache.cache_unfinished_req(r.tokens, r.slots, r.cache_protected_len, r.node)
     assert res.slots == r.slots[:aligned]
-    r.slots, r.own_from, r.node = res.slots + r.slots[aligned:], len(res.slots), res.node
+    r.slots, r.cache_protected_len, r.node = res.slots + r.slots[aligned:], len(res.slots), res.node
     assert cache.protected_pages == aligned // P
     check_integrity(alloc, cache, in_use([r], P))
 
     # Another request can reuse the chunk already computed while r keeps running.
     other = start(cache, prompt[:2 * P] + [7] * P)
-    assert other.own_from == 2 * P and other.slots[:2 * P] == r.slots[:2 * P]
+    assert other.cache_protected_len == 2 * P and other.slots[:2 * P] == r.slots[:2 * P]
 
     # Second chunk: r first fills its partial page, then takes new ones.
     assert extend(cache, r, prompt[len(r.tokens):])
-    res = cache.cache_unfinished_req(r.tokens, r.slots, r.own_from, r.node)
+    res = cache.cache_unfinished_req(r.tokens, r.slots, r.cache_protected_len, r.node)
     aligned = len(prompt) // P * P
     assert len(res.slots) == aligned and res.slots == r.slots[:aligned]
-    r.slots, r.own_from, r.node = res.slots + r.slots[aligned:], len(res.slots), res.node
+    r.slots, r.cache_protected_len, r.node = res.slots + r.slots[aligned:], len(res.slots), res.node
     check_integrity(alloc, cache, in_use([r, other], P))
 
     finish(cache, other)
@@ -475,9 +475,9 @@ def test_no_prefix_cache_frees_everything(P):
     cache = NoPrefixCache(alloc)
     tokens = list(range(3 * P + 1))
     r1, r2 = start(cache, tokens), start(cache, tokens)
-    assert r1.own_from == 0 and r2.own_from == 0
+    assert r1.cache_protected_len == 0 and r2.cache_protected_len == 0
     check_integrity(alloc, cache, in_use([r1, r2], P))
-    res = cache.cache_unfinished_req(r1.tokens, r1.slots, r1.own_from, r1.node)
+    res = cache.cache_unfinished_req(r1.tokens, r1.slots, r1.cache_protected_len, r1.node)
     assert res.slots == [] and alloc.num_free_pages == 16 - 8
     finish(cache, r1)
     finish(cache, r2)
@@ -546,13 +546,13 @@ def test_randomized_stress(P, seed):
                 finish(cache, r)
         elif 0.6 <= action < 0.7 and running:
             r = rng.choice(running)
-            res = cache.cache_unfinished_req(r.tokens, r.slots, r.own_from, r.node)
-            r.slots, r.own_from, r.node = res.slots + r.slots[len(res.slots):], len(res.slots), res.node
+            res = cache.cache_unfinished_req(r.tokens, r.slots, r.cache_protected_len, r.node)
+            r.slots, r.cache_protected_len, r.node = res.slots + r.slots[len(res.slots):], len(res.slots), res.node
         elif 0.7 <= action < 0.95 and running:
             r = running.pop(rng.randrange(len(running)))
             finish(cache, r)
         elif 0.95 <= action < 0.97:
-            assert cache.reset() == (not any(r.own_from for r in running))  # only locks block a flush
+            assert cache.reset() == (not any(r.cache_protected_len for r in running))  # only locks block a flush
         elif action >= 0.97:
             cache.evict(rng.randint(1, 5))
 

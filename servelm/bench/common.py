@@ -44,10 +44,10 @@ def load_hf_baseline(model_path: str | None) -> Any:
     the reference of the benchmarks and of the default-model tests."""
     import transformers
 
-    from servelm.model_executor.model_runner import resolve_model_path
+    from servelm.model_loader.default_model import model_path_or_default
     from servelm.model_loader.source import load_model_source
 
-    source = load_model_source(resolve_model_path(model_path))
+    source = load_model_source(model_path_or_default(model_path))
     model_cls = getattr(transformers, source.config.architectures[0])
     model = model_cls(source.config).eval()
     missing, unexpected = model.load_state_dict(dict(source.iter_weights(torch.float32)), strict=False)

@@ -250,13 +250,10 @@ def _model_id(base_url: str, api_key: str | None) -> str:
 
 
 def _load_tokenizer(path: str | None) -> Any:
+    from servelm.model_loader.default_model import model_path_or_default
     from servelm.model_loader.tokenizer import load_tokenizer
 
-    if path is None:
-        from servelm.model_loader.default_model import default_model_path
-
-        path = default_model_path()
-    return load_tokenizer(path)
+    return load_tokenizer(model_path_or_default(path))
 
 
 def main(argv: list[str] | None = None) -> int:

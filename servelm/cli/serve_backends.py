@@ -166,9 +166,6 @@ class ServeBackendRegistry:
         plugins = sorted(n for n in self._providers if n not in self._builtin_names)
         return [*self._builtin_names, *plugins]
 
-    def is_builtin(self, name: str) -> bool:
-        return name in self._builtin_names
-
     def provider(self, name: str) -> str:
         """`built-in`, the distribution name, or several sorted names for a conflict."""
         providers = self._providers.get(name)

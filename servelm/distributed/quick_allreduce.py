@@ -69,13 +69,6 @@ def _unpack(packed: torch.Tensor, mode: str) -> torch.Tensor:
     return u.reshape(packed.shape[0], BLOCK) - bias
 
 
-def segment_payload_bytes(seg_len: int, mode: str, dtype: torch.dtype) -> int:
-    """Bytes one rank sends per segment of `seg_len` values (a multiple of 32)."""
-    if mode == "fp":
-        return seg_len * dtype.itemsize
-    return seg_len // BLOCK * (_CODE_BYTES[mode] + _SCALE_BYTES)
-
-
 def _encode(x: torch.Tensor, rows: int, mode: str, dtype: torch.dtype) -> torch.Tensor:
     """fp32 values [rows * seg_len] -> uint8 payload [rows, payload_bytes]."""
     if mode == "fp":

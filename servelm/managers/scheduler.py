@@ -23,7 +23,7 @@ from servelm.managers.detokenizer import IncrementalDetokenizer
 from servelm.managers.io_struct import FinishReason, GenerateReq, TokenOut
 from servelm.managers.schedule_batch import SampleOutput, SamplingRow, StepInput
 from servelm.mem_cache.allocator import PageAllocator, slots_for
-from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, check_integrity
+from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, TreeNode, check_integrity
 from servelm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,9 @@ class Req:
     num_computed: int = 0  # leading tokens of all_ids whose KV is in the pool
     pages: list[int] = field(default_factory=list)  # KV pages covering positions [0, num_computed)
     slots: list[int] = field(default_factory=list)  # slot of each computed position (cached expansion of pages)
-    own_from: int = 0  # positions < own_from live in prefix-cache pages (locked via `node`)
-    node: Any = None
+    # Positions < cache_protected_len live in prefix-cache pages, locked through `last_node` (SGLang's names).
+    cache_protected_len: int = 0
+    last_node: TreeNode | None = None
     cached_tokens: int = 0  # prefix-cache hit at first admission (reported in usage)
     admitted: bool = False
     finish_reason: FinishReason | None = None
@@ -116,11 +117,12 @@ class Scheduler:
     @classmethod
     def from_server_args(cls, server_args: Any) -> Scheduler:
         from servelm.managers.tp_worker import start_local_workers, with_dist_init_addr
-        from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility, resolve_model_path
+        from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility
+        from servelm.model_loader.default_model import model_path_or_default
         from servelm.model_loader.source import load_model_source
 
         # The default model is resolved (and logged) once, here; every rank then gets its path.
-        server_args = with_dist_init_addr(server_args.replace(model_path=resolve_model_path(server_args.model_path)))
+        server_args = with_dist_init_addr(server_args.replace(model_path=model_path_or_default(server_args.model_path, announce=True)))
         # Checked before any rank process starts, so a bad --tp-size is one clear error.
         source = load_model_source(server_args.model_path)
         check_tp_divisibility(source.config, server_args.tp_size)
@@ -203,20 +205,21 @@ class Scheduler:
         if req.pages:
             all_slots = slots_for(req.pages, self.page_size, 0, len(req.pages) * self.page_size)
             # All slots of all pages, even past num_computed, so reserved-but-unused pages are freed too.
-            self.cache.cache_finished_req(req.all_ids[:n], all_slots, req.own_from, req.node)
-        elif req.node is not None:
-            self.cache.dec_lock_ref(req.node)
-        req.pages, req.slots, req.node, req.own_from, req.num_computed = [], [], None, 0, 0
+            self.cache.cache_finished_req(req.all_ids[:n], all_slots, req.cache_protected_len, req.last_node)
+        elif req.last_node is not None:
+            self.cache.dec_lock_ref(req.last_node)
+        req.pages, req.slots, req.last_node, req.cache_protected_len, req.num_computed = [], [], None, 0, 0
 
     def in_use_pages(self) -> int:
-        return sum(len(r.pages) - r.own_from // self.page_size for r in self.running)
+        return sum(len(r.pages) - r.cache_protected_len // self.page_size for r in self.running)
 
     def check_integrity(self) -> None:
         """Raise unless free + cached + in use == total pages."""
         check_integrity(self.allocator, self.cache, self.in_use_pages())
 
     def _retract_newest(self, keep: set[int]) -> bool:
-        """Free the newest running request not in `keep` and requeue it at the front. Its output so far
+        """Retraction (preemption in vLLM): when the KV pool is full, free the newest running request not in
+        `keep` and requeue it at the front. Its output so far
         is kept; positions are recomputed on re-admission, and seeded sampling is keyed by position, so
         its output is unchanged."""
         for req in reversed(self.running):
@@ -277,10 +280,10 @@ class Scheduler:
         match = self.cache.match_prefix(req.all_ids[:limit])
         slots = match.slots
         self.cache.inc_lock_ref(match.node)
-        req.node = match.node
+        req.last_node = match.node
         req.pages = [s // self.page_size for s in slots[:: self.page_size]]
         req.slots = list(slots)
-        req.own_from = req.num_computed = len(slots)
+        req.cache_protected_len = req.num_computed = len(slots)
         if not req.admitted:
             req.cached_tokens = len(slots)
             self.stats["cached_tokens"] += len(slots)
@@ -354,8 +357,8 @@ class Scheduler:
         """After a prefill chunk, put the request's KV so far in the prefix cache (as SGLang does), so
         requests admitted while it still runs reuse it; the request keeps it locked. Pages it computed
         twice (another request inserted the same prefix first) are freed and it reads the cached ones."""
-        res = self.cache.cache_unfinished_req(req.all_ids[:req.num_computed], req.slots, req.own_from, req.node)
-        req.node, req.own_from = res.node, len(res.slots)
+        res = self.cache.cache_unfinished_req(req.all_ids[:req.num_computed], req.slots, req.cache_protected_len, req.last_node)
+        req.last_node, req.cache_protected_len = res.node, len(res.slots)
         req.slots = list(res.slots) + req.slots[len(res.slots):]
         req.pages = [s // self.page_size for s in req.slots[:: self.page_size]]
 

@@ -64,11 +64,9 @@ def resolve_tokenizer_path(server_args: ServerArgs) -> str:
     """The tokenizer source: --tokenizer-path, else the model path, else the default model."""
     if server_args.tokenizer_path:
         return server_args.tokenizer_path
-    if server_args.model_path:
-        return server_args.model_path
-    from servelm.model_loader.default_model import default_model_path
+    from servelm.model_loader.default_model import model_path_or_default
 
-    return default_model_path()
+    return model_path_or_default(server_args.model_path)
 
 
 def load_server_tokenizer(server_args: ServerArgs) -> Any:

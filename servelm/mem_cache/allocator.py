@@ -12,11 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Sequence
 
-__all__ = ["OutOfPagesError", "PageAllocator", "pages_of", "slots_for"]
-
-
-class OutOfPagesError(RuntimeError):
-    """The KV pool has no room for a request even after evicting the prefix cache."""
+__all__ = ["PageAllocator", "pages_of", "slots_for"]
 
 
 class PageAllocator:

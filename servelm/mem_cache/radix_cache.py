@@ -81,12 +81,12 @@ class BasePrefixCache(ABC):
         """Cache page-aligned KV; returns how many leading tokens were already cached (caller frees those)."""
 
     @abstractmethod
-    def cache_finished_req(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int,
+    def cache_finished_req(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int,
                            node: TreeNode) -> None:
         """Take back everything a finished (or retracted) request holds; see RadixCache for details."""
 
     @abstractmethod
-    def cache_unfinished_req(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int,
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int,
                              node: TreeNode) -> MatchResult:
         """Share a running request's KV so far; see RadixCache for details."""
 
@@ -278,31 +278,31 @@ class RadixCache(BasePrefixCache):
         self._evictable += len(value) // P
         return pos
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int,
+    def cache_finished_req(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int,
                            node: TreeNode) -> None:
         """Take back everything a finished (or retracted) request holds.
 
-        slots[:own_from] came from `match_prefix` (tree-owned, locked via `node`);
-        slots[own_from:] sit in pages the request owns, the last possibly partial.
+        slots[:cache_protected_len] came from `match_prefix` (tree-owned, locked via `node`);
+        slots[cache_protected_len:] sit in pages the request owns, the last possibly partial.
         The page-aligned part is inserted, the request's duplicate pages and its
         trailing partial page are freed, and `node` is unlocked. `slots` may run
         past `token_ids` (pages reserved for tokens not computed yet): those
         pages are freed too.
         """
-        aligned = self._insert_owned(token_ids, slots, own_from)
+        aligned = self._insert_owned(token_ids, slots, cache_protected_len)
         self._free_own_pages(slots, aligned, len(slots))
         self.dec_lock_ref(node)
 
-    def cache_unfinished_req(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int,
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int,
                              node: TreeNode) -> MatchResult:
         """Cache a running request's page-aligned KV so far (chunked prefill), keeping it locked.
 
         Same arguments as `cache_finished_req`. Returns the new locked prefix
         (the old `node` is unlocked): the request continues with slots
-        `result.slots + slots[len(result.slots):]` and own_from = len(result.slots);
+        `result.slots + slots[len(result.slots):]` and cache_protected_len = len(result.slots);
         it still owns its trailing partial page.
         """
-        aligned = self._insert_owned(token_ids, slots, own_from)
+        aligned = self._insert_owned(token_ids, slots, cache_protected_len)
         new_node, matched, new_slots = self._walk(tuple(token_ids[:aligned]))
         if matched != aligned:
             raise RuntimeError(f"cache_unfinished_req: re-match found {matched} of {aligned} inserted tokens")
@@ -310,19 +310,19 @@ class RadixCache(BasePrefixCache):
         self.dec_lock_ref(node)
         return MatchResult(new_slots, new_node)
 
-    def _insert_owned(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int) -> int:
+    def _insert_owned(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int) -> int:
         """Insert the page-aligned part of a request and free its duplicate pages; returns that length."""
         P = self.page_size
         if len(slots) < len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens but only {len(slots)} slots")
-        if own_from % P or not (0 <= own_from <= len(slots)):
-            raise ValueError(f"own_from={own_from} must be page aligned and within the request")
+        if cache_protected_len % P or not (0 <= cache_protected_len <= len(slots)):
+            raise ValueError(f"cache_protected_len={cache_protected_len} must be page aligned and within the request")
         aligned = len(token_ids) // P * P
         already = self.insert(token_ids[:aligned], slots[:aligned])
-        if already < own_from:
+        if already < cache_protected_len:
             # The locked prefix can neither be evicted nor shrink, so this means the caller broke the contract.
-            raise RuntimeError(f"tree holds only {already} tokens of a locked {own_from}-token prefix")
-        self._free_own_pages(slots, own_from, already)
+            raise RuntimeError(f"tree holds only {already} tokens of a locked {cache_protected_len}-token prefix")
+        self._free_own_pages(slots, cache_protected_len, already)
         return aligned
 
     # ---- eviction -----------------------------------------------------------------------------------
@@ -409,13 +409,13 @@ class NoPrefixCache(BasePrefixCache):
         self._free_own_pages(slots, 0, len(slots))
         return 0
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int,
+    def cache_finished_req(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int,
                            node: TreeNode) -> None:
-        self._free_own_pages(slots, own_from, len(slots))
+        self._free_own_pages(slots, cache_protected_len, len(slots))
 
-    def cache_unfinished_req(self, token_ids: Sequence[int], slots: Sequence[int], own_from: int,
+    def cache_unfinished_req(self, token_ids: Sequence[int], slots: Sequence[int], cache_protected_len: int,
                              node: TreeNode) -> MatchResult:
-        return MatchResult(list(slots[:own_from]), node)
+        return MatchResult(list(slots[:cache_protected_len]), node)
 
     def evict(self, num_pages: int) -> int:
         return 0

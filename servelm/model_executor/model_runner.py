@@ -16,6 +16,7 @@ from servelm.layers.sampler import sample
 from servelm.managers.schedule_batch import SampleOutput, StepInput
 from servelm.mem_cache.memory_pool import KVCache
 from servelm.model_executor.forward_batch import ForwardBatch
+from servelm.model_loader.default_model import model_path_or_default
 from servelm.models.llama import head_dim_of
 from servelm.models.registry import resolve_model_class
 
@@ -40,16 +41,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         # This class of CPU has no fast bf16 path; fp32 is both faster and exact.
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-def resolve_model_path(model_path: str | None) -> str:
-    if model_path is not None:
-        return model_path
-    from servelm.model_loader.default_model import default_model_path
-
-    path = default_model_path()
-    logger.info("No --model-path given: serving the embedded default model %s", path)
-    return path
 
 
 def eos_token_ids_of(config: Any, tokenizer: Any) -> list[int]:
@@ -100,7 +91,7 @@ class ModelRunner:
         set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
-        self.model_path = resolve_model_path(server_args.model_path)
+        self.model_path = model_path_or_default(server_args.model_path)
         source = source or load_model_source(self.model_path)
         self.config = config = source.config
         check_tp_divisibility(config, self.tp_size)

