@@ -1,26 +1,24 @@
-"""CPU threads of the model: how many, and how idle OpenMP workers wait.
+"""CPU threads of the model: how many, from what this process may really use, and fewer while other
+processes want the same CPUs.
 
-torch 2.13's CPU wheel runs its intra-op pool, MKL and oneDNN on GNU OpenMP
-(the bundled libgomp.so.1). Two of its defaults hurt on shared machines:
+torch 2.13's CPU wheel runs its intra-op pool, MKL and oneDNN on GNU OpenMP (the bundled libgomp.so.1).
+Two of its habits hurt on shared machines:
 
-* Wait policy. After each parallel region libgomp's workers spin for
-  GOMP_SPINCOUNT=300000 iterations of a `pause` loop before sleeping. On a
-  recent Xeon that is milliseconds, i.e. a whole decode step: the workers never
-  sleep, and when another process wants a core they fight it (and the thread
-  that lost its core holds up every barrier). A passive policy (spin count 0)
-  lets a finished worker sleep at once. libgomp reads OMP_WAIT_POLICY and
-  GOMP_SPINCOUNT once, when the library is loaded, so this must be in the
-  environment before torch is imported: `apply_wait_policy()` runs first thing
-  in `servelm` and `Engine`, and the spawned scheduler / TP worker processes
-  inherit the environment.
-* Thread count. libgomp and MKL use every CPU of the machine, not those this
-  process may run on: a container limited by its affinity mask or its cgroup
-  CPU quota gets more threads than CPUs, and the surplus only waits at barriers.
+* Thread count. libgomp and MKL use every CPU of the machine, not those this process may run on: a
+  container limited by its affinity mask or its cgroup CPU quota gets more threads than CPUs, and the
+  surplus only waits at barriers. `configure_cpu_threads` counts the CPUs really available and puts the
+  count in OMP_NUM_THREADS before the scheduler and TP worker processes are spawned (they inherit it).
+* Competition. With as many threads as CPUs and another busy process on the machine, a thread that loses
+  its core holds up every barrier of every op, and libgomp's workers spin between ops, taking CPU from the
+  other process. `ThreadGovernor` watches for runnable tasks of other processes and runs the model on the
+  CPUs they leave free, back to all of them once they are gone. Measured on the 2-core dev machine
+  (README, "Speed switches"), this keeps the idle speed of libgomp's default (spinning) wait policy and
+  more than doubles the decode speed next to a process that burns a core (x0.99 idle, x2.28 busy); a
+  passive wait policy, the alternative, lost ~20% idle for about the same busy speed.
 
-A user's own OMP_* / GOMP_* settings always win over these defaults; an
-explicit `--num-threads` wins over everything. The names we set ourselves are
-listed in SERVELM_DEFAULTED_ENV so that a later call (or a child process) can
-tell our defaults from the user's settings.
+A user's own OMP_NUM_THREADS and OMP_WAIT_POLICY/GOMP_SPINCOUNT always win; an explicit `--num-threads`
+wins over everything, and a count the user chose is never adapted. The names we set ourselves are listed in
+SERVELM_DEFAULTED_ENV so that a later call (or a child process) can tell our defaults from the user's.
 """
 
 from __future__ import annotations
@@ -29,7 +27,9 @@ import logging
 import math
 import os
 import sys
-from collections.abc import MutableMapping
+import time
+from collections import deque
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,10 +38,7 @@ logger = logging.getLogger(__name__)
 # Names this module set itself (comma-separated), so they are not mistaken for the user's.
 DEFAULTED_ENV = "SERVELM_DEFAULTED_ENV"
 
-# The wait policy we default to. Measured on the 2-core dev machine (see README, "Speed switches"):
-# passive costs nothing measurable idle and recovers most of what spinning loses under a competing load.
-WAIT_POLICY_DEFAULTS: dict[str, str] = {"OMP_WAIT_POLICY": "PASSIVE"}
-# Any of these set by the user means the user chose the waiting behaviour: we leave it alone.
+# The user's choice of how idle OpenMP workers wait (reported; libgomp's default spins, then sleeps).
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 THREAD_COUNT_VARS = ("OMP_NUM_THREADS",)
 
@@ -170,20 +167,6 @@ def _set_default(env: MutableMapping[str, str], name: str, value: str) -> None:
     env[DEFAULTED_ENV] = ",".join(sorted(_defaulted(env) | {name}))
 
 
-def apply_wait_policy(env: MutableMapping[str, str] | None = None) -> dict[str, str]:
-    """Default OMP_WAIT_POLICY to passive unless the user chose any waiting setting; returns what is in force.
-
-    Call before torch is imported: libgomp reads it once, when it is loaded (a
-    process that already has torch keeps the policy it started with; threads
-    spawned from it, i.e. our scheduler and TP workers, get the new one).
-    """
-    env = os.environ if env is None else env
-    if not any(_user_set(env, name) for name in WAIT_POLICY_VARS):
-        for name, value in WAIT_POLICY_DEFAULTS.items():
-            _set_default(env, name, value)
-    return {name: env[name] for name in WAIT_POLICY_VARS if name in env}
-
-
 @dataclass(frozen=True)
 class ThreadSettings:
     num_threads: int
@@ -213,15 +196,14 @@ def resolve_num_threads(num_threads: int | None, processes: int = 1,
 
 def configure_cpu_threads(num_threads: int | None = None, processes: int = 1,
                           env: MutableMapping[str, str] | None = None, cpus: int | None = None) -> ThreadSettings:
-    """Set the wait policy and thread count for this process and every process it spawns afterwards.
+    """Set the thread count for this process and every process it spawns afterwards.
 
     The count goes into OMP_NUM_THREADS (read by the children's libgomp and MKL at
     load) and, when torch is already loaded here, into torch.set_num_threads
-    (omp_set_num_threads applies to a running pool). The wait policy only reaches
-    a libgomp that is not loaded yet.
+    (omp_set_num_threads applies to a running pool).
     """
     env = os.environ if env is None else env
-    policy = apply_wait_policy(env)
+    policy = {name: env[name] for name in WAIT_POLICY_VARS if name in env}
     count, source = resolve_num_threads(num_threads, processes, env, cpus)
     if source == "--num-threads":
         # An explicit flag beats the environment; it is still ours to replace on the next call.
@@ -236,12 +218,95 @@ def configure_cpu_threads(num_threads: int | None = None, processes: int = 1,
     return ThreadSettings(count, source, policy)
 
 
+# ------------------------------------------------------------------ adapting to other processes
+def others_running(proc_stat: Path = Path("/proc/stat"), own_tasks: Path = Path("/proc/self/task")) -> int | None:
+    """Runnable tasks of other processes right now: the kernel's `procs_running` less this process's running
+    threads (the caller's own included). None where /proc does not say."""
+    text = _read(proc_stat)
+    if text is None:
+        return None
+    running = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("procs_running ")), None)
+    if running is None:
+        return None
+    ours = 0
+    try:
+        tasks = list(own_tasks.iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        stat = _read(task / "stat")
+        # "pid (comm) S ...": the state follows the last ')' (comm may hold spaces and parentheses).
+        if stat and stat[stat.rfind(")") + 2:stat.rfind(")") + 3] == "R":
+            ours += 1
+    return max(0, running - ours)
+
+
+class ThreadGovernor:
+    """Runs the model with fewer threads while other processes want this machine's CPUs, and with all of
+    them again once they are gone.
+
+    With as many threads as CPUs and another busy process, a thread that loses its core holds up every
+    barrier of every op (and libgomp's spinning workers take CPU from the other process): measured on the
+    2-core dev machine, decode fell to a quarter; one thread keeps ~2/3 of the idle speed. So, every
+    `interval_s` while it is working, it samples how many tasks of other processes are runnable; over
+    `window` samples it picks `cpus - round(mean)` threads (at least 1, at most `max_threads`).
+    `tick()` is cheap between samples; the scheduler calls it every step.
+    """
+
+    def __init__(self, max_threads: int, cpus: int, *, interval_s: float = 0.2, window: int = 5,
+                 sample: Callable[[], int | None] = others_running,
+                 set_threads: Callable[[int], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_threads = max_threads
+        self.cpus = cpus
+        self.threads = max_threads
+        self.interval_s = interval_s
+        self._samples: deque[int] = deque(maxlen=window)
+        self._sample = sample
+        self._set_threads = set_threads or _set_torch_threads
+        self._clock = clock
+        self._next = 0.0
+
+    @classmethod
+    def for_process(cls, num_threads: int | None, processes: int = 1) -> ThreadGovernor | None:
+        """The governor of a model process, or None where the count must not move: the user chose it
+        (--num-threads, OMP_NUM_THREADS), there is one thread anyway, or /proc/stat counts CPUs this process
+        cannot use (a CPU quota or affinity smaller than the machine: other tasks there are not our rivals)."""
+        count, source = resolve_num_threads(num_threads, processes)
+        cpus = available_cpus()
+        if source != "available CPUs" or count < 2 or cpus != (os.cpu_count() or cpus) or others_running() is None:
+            return None
+        return cls(count, cpus)
+
+    def tick(self) -> None:
+        now = self._clock()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        others = self._sample()
+        if others is None:
+            return
+        self._samples.append(others)
+        if len(self._samples) < (self._samples.maxlen or 1):
+            return
+        mean = sum(self._samples) / len(self._samples)
+        want = max(1, min(self.max_threads, self.cpus - round(mean)))
+        if want != self.threads:
+            logger.info("Other processes keep %.1f CPU(s) busy: the model now runs on %d thread(s) (of %d)",
+                        mean, want, self.max_threads)
+            self._set_threads(want)
+            self.threads = want
+            self._samples.clear()
+
+
+def _set_torch_threads(count: int) -> None:
+    import torch
+
+    torch.set_num_threads(count)
+
+
 def describe_threads(settings: ThreadSettings) -> str:
-    policy = " ".join(f"{k}={v}" for k, v in settings.wait_policy.items()) or "libgomp default (spin)"
-    return f"{settings.num_threads} CPU threads ({settings.source}), {policy}"
-
-
-# Importing this module is the earliest point servelm can act for an in-process user
-# (`from servelm.entrypoints.engine import Engine` imports it before torch): the policy
-# only reaches a libgomp that loads after it. It is a default; the user's settings win.
-apply_wait_policy()
+    policy = " ".join(f"{k}={v}" for k, v in settings.wait_policy.items()) or "libgomp's default wait policy"
+    adapts = ", fewer while other processes keep the CPUs busy" if (
+        settings.source == "available CPUs" and settings.num_threads > 1) else ""
+    return f"{settings.num_threads} CPU threads ({settings.source}{adapts}), {policy}"

@@ -1,5 +1,6 @@
 """servelm.cpu_threads: the CPU count (affinity, cgroup v1/v2 quota), precedence of the user's settings,
-and that spawned processes (our scheduler and TP workers) start their OpenMP runtime with them.
+that spawned processes (our scheduler and TP workers) start their OpenMP runtime with them, and the thread
+governor's decisions (with a fake sampler: which other processes run is the machine's business).
 
 No timing here: the speed of the policies is measured by `servelm bench one-batch --competing-load`.
 """
@@ -17,10 +18,11 @@ import torch
 from servelm import cpu_threads
 from servelm.cpu_threads import (
     DEFAULTED_ENV,
-    apply_wait_policy,
+    ThreadGovernor,
     available_cpus,
     cgroup_cpu_limit,
     configure_cpu_threads,
+    others_running,
     parse_cfs_quota,
     parse_cpu_max,
     resolve_num_threads,
@@ -116,15 +118,12 @@ def test_available_cpus_is_affinity_capped_by_quota(tmp_path: Path, monkeypatch:
 
 
 # ------------------------------------------------------------------ precedence
-def test_wait_policy_default_and_user_settings_win() -> None:
-    env: dict[str, str] = {}
-    assert apply_wait_policy(env) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert env[DEFAULTED_ENV] == "OMP_WAIT_POLICY"
-    assert apply_wait_policy(env) == {"OMP_WAIT_POLICY": "PASSIVE"}  # idempotent
-    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}, {"KMP_BLOCKTIME": "1"}):
+def test_the_wait_policy_is_the_users_and_is_reported() -> None:
+    assert configure_cpu_threads(None, env={}, cpus=2).wait_policy == {}  # libgomp's own default
+    for user in ({"OMP_WAIT_POLICY": "PASSIVE"}, {"GOMP_SPINCOUNT": "300000"}, {"KMP_BLOCKTIME": "1"}):
         env = dict(user)
-        assert apply_wait_policy(env) == user
-        assert env == user  # nothing added
+        assert configure_cpu_threads(None, env=env, cpus=2).wait_policy == user
+        assert {k: v for k, v in env.items() if k in user} == user  # left as the user set it
 
 
 def test_thread_count_precedence() -> None:
@@ -144,18 +143,18 @@ def test_configure_sets_the_environment_for_children() -> None:
     env: dict[str, str] = {"OMP_NUM_THREADS": "3"}
     settings = configure_cpu_threads(None, env=env, cpus=8)
     assert (settings.num_threads, settings.source) == (3, "OMP_NUM_THREADS")
-    assert env["OMP_NUM_THREADS"] == "3" and "OMP_NUM_THREADS" not in env[DEFAULTED_ENV]
+    assert env["OMP_NUM_THREADS"] == "3" and "OMP_NUM_THREADS" not in env.get(DEFAULTED_ENV, "")
     settings = configure_cpu_threads(2, env=env, cpus=8)
     assert (settings.num_threads, settings.source) == (2, "--num-threads") and env["OMP_NUM_THREADS"] == "2"
     env = {}
     settings = configure_cpu_threads(None, processes=2, env=env, cpus=8)
-    assert env["OMP_NUM_THREADS"] == "4" and settings.wait_policy == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env["OMP_NUM_THREADS"] == "4" and settings.wait_policy == {}
 
 
 def test_configure_applies_to_the_running_torch(clean_environ: None) -> None:
     configure_cpu_threads(1)
     assert torch.get_num_threads() == 1
-    assert os.environ["OMP_NUM_THREADS"] == "1" and os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert os.environ["OMP_NUM_THREADS"] == "1" and "OMP_WAIT_POLICY" not in os.environ
 
 
 # ------------------------------------------------------------------ spawned processes
@@ -179,9 +178,8 @@ def _spawned_report() -> tuple[int, str | None]:
 def test_spawned_child_starts_openmp_with_the_settings(clean_environ: None, capfd: pytest.CaptureFixture[str]) -> None:
     configure_cpu_threads(1)
     os.environ["OMP_DISPLAY_ENV"] = "VERBOSE"  # the child's libgomp prints what it read, at load
-    assert _spawned_report() == (1, "PASSIVE")
-    err = capfd.readouterr().err
-    assert "OMP_NUM_THREADS = '1'" in err and "GOMP_SPINCOUNT = '0'" in err  # passive: no spinning
+    assert _spawned_report() == (1, None)
+    assert "OMP_NUM_THREADS = '1'" in capfd.readouterr().err  # what the child's libgomp read at load
 
 
 def test_spawned_child_keeps_the_users_settings(clean_environ: None, capfd: pytest.CaptureFixture[str]) -> None:
@@ -189,13 +187,6 @@ def test_spawned_child_keeps_the_users_settings(clean_environ: None, capfd: pyte
     configure_cpu_threads(None)
     assert _spawned_report() == (1, None)
     assert "GOMP_SPINCOUNT = '1234'" in capfd.readouterr().err
-
-
-def test_cli_sets_the_policy_before_commands_run(clean_environ: None) -> None:
-    from servelm.cli.main import main
-
-    assert main(["version"]) == 0
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
 
 
 def test_engine_num_threads(tiny_llama, clean_environ: None) -> None:
@@ -209,3 +200,62 @@ def test_engine_num_threads(tiny_llama, clean_environ: None) -> None:
         assert engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2})["output_ids"]
     finally:
         engine.shutdown()
+
+
+# ------------------------------------------------------------------ the governor
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def run_governor(gov: ThreadGovernor, clock: Clock, samples: list[int]) -> None:
+    for _ in samples:
+        clock.t += gov.interval_s
+        gov.tick()
+
+
+def test_governor_runs_on_the_cpus_others_leave_free() -> None:
+    seen: list[int] = []
+    load = iter([1, 1, 0, 1, 1] + [1] * 5 + [0] * 5 + [3] * 5)
+    clock, set_to = Clock(), []
+    gov = ThreadGovernor(2, 2, interval_s=0.2, window=5, sample=lambda: seen.append(0) or next(load),
+                         set_threads=set_to.append, clock=clock)
+    gov.tick()
+    gov.tick()  # within the interval: no sample
+    assert len(seen) == 1
+    run_governor(gov, clock, [0] * 4)  # the window fills: mean 0.8 of another process running -> 1 thread
+    assert set_to == [1] and gov.threads == 1
+    run_governor(gov, clock, [0] * 5)  # still one other process: stays
+    assert set_to == [1]
+    run_governor(gov, clock, [0] * 5)  # it is gone: all threads again
+    assert set_to == [1, 2] and gov.threads == 2
+    run_governor(gov, clock, [0] * 5)  # three others on two CPUs: never fewer than one thread
+    assert set_to == [1, 2, 1]
+
+
+def test_governor_is_off_where_the_count_is_the_users(clean_environ: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads, "available_cpus", lambda *a: 2)
+    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "others_running", lambda *a: 0)
+    assert ThreadGovernor.for_process(None) is not None
+    assert ThreadGovernor.for_process(2) is None  # --num-threads
+    assert ThreadGovernor.for_process(None, processes=2) is None  # one thread per TP rank: nothing to adapt
+    os.environ["OMP_NUM_THREADS"] = "2"
+    assert ThreadGovernor.for_process(None) is None  # the user's OMP_NUM_THREADS
+    del os.environ["OMP_NUM_THREADS"]
+    monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 64)
+    assert ThreadGovernor.for_process(None) is None  # a quota on a bigger machine: others are not rivals
+
+
+def test_others_running_reads_proc(tmp_path: Path) -> None:
+    (tmp_path / "stat").write_text("cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n")
+    tasks = tmp_path / "task"
+    for pid, state in ((10, "R"), (11, "S"), (12, "R")):
+        (tasks / str(pid)).mkdir(parents=True)
+        (tasks / str(pid) / "stat").write_text(f"{pid} (python (x) y) {state} 1 2 3\n")
+    assert others_running(tmp_path / "stat", tasks) == 3  # 5 running, 2 of them ours
+    assert others_running(tmp_path / "missing", tasks) is None
+    assert isinstance(others_running(), int)  # this machine's /proc

@@ -41,7 +41,7 @@ def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[
     produced = {f"b{i}": 0 for i in range(len(prompts))}
     t0 = time.perf_counter()
     while min(produced.values()) == 0:
-        for out in sched.step():
+        for out in engine.step():
             produced[out.rid] += len(out.token_ids)
         # Non-streaming requests report at the end; count the first token from the scheduler itself.
         for r in sched.running:
@@ -49,7 +49,7 @@ def run_once(engine: Engine, prompts: list[list[int]], output_len: int) -> dict[
     t1 = time.perf_counter()
     steps = 0
     while sched.has_work():
-        sched.step()
+        engine.step()
         steps += 1
     t2 = time.perf_counter()
     bs = len(prompts)

@@ -26,7 +26,6 @@ from servelm.cli.serve import (
 )
 from servelm.cli.serve_backends import FALLBACK_BACKEND, ServeRequest, default_registry
 from servelm.config import HTTP_SERVER_FIELDS, ConfigError, ServerArgs
-from servelm.cpu_threads import apply_wait_policy
 
 logger = logging.getLogger("servelm")
 
@@ -219,8 +218,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[0] in ("-V", "--version"):
         return cmd_version([])
     command = COMMANDS.get(args[0])
-    # Before any command imports torch: libgomp reads its wait policy once, when it loads.
-    apply_wait_policy()
     try:
         if command is None:
             close = difflib.get_close_matches(args[0], list(COMMANDS), n=1)

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from servelm.config import ServerArgs
-from servelm.cpu_threads import configure_cpu_threads
-from servelm.managers.io_struct import GenerateReq, OutputAccumulator
+from servelm.cpu_threads import ThreadGovernor, configure_cpu_threads
+from servelm.managers.io_struct import GenerateReq, OutputAccumulator, TokenOut
 from servelm.managers.scheduler import Scheduler
 from servelm.sampling_params import SamplingParams
 
@@ -46,6 +46,9 @@ class Engine:
         self.cpu_threads = configure_cpu_threads(server_args.num_threads,
                                                  processes=max(1, server_args.tp_size // server_args.nnodes))
         self.scheduler = Scheduler.from_server_args(server_args)
+        # Fewer model threads while other processes want the CPUs (ticked every step).
+        self.governor = ThreadGovernor.for_process(server_args.num_threads,
+                                                   processes=max(1, server_args.tp_size // server_args.nnodes))
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()
 
@@ -93,7 +96,7 @@ class Engine:
         pending = set(results)
         try:
             while pending:
-                for out in self.scheduler.step():
+                for out in self.step():
                     results[out.rid].add(out)
                     if out.finish_reason is not None:
                         pending.discard(out.rid)
@@ -111,7 +114,7 @@ class Engine:
         done = False
         try:
             while not done:
-                for out in self.scheduler.step():
+                for out in self.step():
                     if out.rid != req.rid:
                         continue
                     done = out.finish_reason is not None
@@ -128,6 +131,12 @@ class Engine:
         finally:
             if not done:
                 self.scheduler.abort_request(req.rid)
+
+    def step(self) -> list[TokenOut]:
+        """One scheduler step (the thread governor, if any, adapts the thread count first)."""
+        if self.governor is not None:
+            self.governor.tick()
+        return self.scheduler.step()
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()

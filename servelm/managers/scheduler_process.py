@@ -31,6 +31,7 @@ from typing import Any
 import zmq
 
 from servelm.config import ServerArgs
+from servelm.cpu_threads import ThreadGovernor
 from servelm.managers.io_struct import (
     AbortReq,
     BatchTokenOut,
@@ -97,8 +98,9 @@ class SchedulerLoop:
     """Dispatches API messages to a scheduler and sends its outputs back."""
 
     def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket,
-                 stats_interval_s: float = STATS_INTERVAL_S) -> None:
+                 stats_interval_s: float = STATS_INTERVAL_S, governor: ThreadGovernor | None = None) -> None:
         self.scheduler = scheduler
+        self.governor = governor  # fewer model threads while other processes want the CPUs
         self.recv = recv
         self.send = send
         self.stop_requested = False
@@ -185,6 +187,8 @@ class SchedulerLoop:
             if outputs:
                 self.send.send(encode(BatchTokenOut(list(outputs))))
         self.log_stats()
+        if self.governor is not None:
+            self.governor.tick()
 
     def request_stop(self) -> None:
         """Stop after the current step (safe to call from a signal handler)."""
@@ -229,7 +233,8 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     send = ctx.socket(zmq.PUSH)
     send.setsockopt(zmq.LINGER, 0)
     send.connect(send_addr)
-    loop = SchedulerLoop(scheduler, recv, send)
+    loop = SchedulerLoop(scheduler, recv, send, governor=ThreadGovernor.for_process(
+        server_args.num_threads, processes=max(1, server_args.tp_size // server_args.nnodes)))
     signal.signal(signal.SIGTERM, lambda *_: loop.request_stop())
     ready_writer.send({"status": "ready", "model_info": model_info})
     ready_writer.close()
