@@ -1,7 +1,7 @@
 """A bounded soak of a running server: mixed requests (stream or not, n > 1, logprobs, structured output,
 prompt logprobs), a share of clients that hang up mid-request, a fixed seed so every run sends the same mix.
 
-Used by tests/test_server_soak.py; run it by hand for a longer soak and the scheduler's memory:
+Used by tests/entrypoints/test_server_soak.py; run it by hand for a longer soak and the scheduler's memory:
     python -m tests.soak_driver --base-url http://127.0.0.1:30000 --requests 1000
 """
 

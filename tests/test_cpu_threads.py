@@ -242,6 +242,7 @@ def test_governor_is_off_where_the_count_is_the_users(clean_environ: None, monke
     monkeypatch.setattr(cpu_threads, "others_running", lambda *a: 0)
     assert ThreadGovernor.for_process(None) is not None
     assert ThreadGovernor.for_process(2) is None  # --num-threads
+    assert ThreadGovernor.for_process(None, deterministic=True) is None  # results must not depend on load
     assert ThreadGovernor.for_process(None, processes=2) is None  # one thread per TP rank: nothing to adapt
     os.environ["OMP_NUM_THREADS"] = "2"
     assert ThreadGovernor.for_process(None) is None  # the user's OMP_NUM_THREADS

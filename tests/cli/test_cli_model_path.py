@@ -14,7 +14,7 @@ import pytest
 from servelm.model_loader.model_path import ModelSourceError, check_model_path
 from tests.server_fixtures import free_port
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*argv: str, timeout: float = 180) -> tuple[int, str]:

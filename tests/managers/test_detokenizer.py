@@ -1,0 +1,72 @@
+"""The incremental detokenizer on a byte-level tokenizer: a character split across tokens is held back
+until complete, a stop string across tokens is found and trimmed, and its possible start is held back."""
+
+from __future__ import annotations
+
+from servelm.managers.detokenizer import IncrementalDetokenizer
+
+
+class ByteTokenizer:
+    """Token id = one byte; decoding joins the bytes (an incomplete character decodes to U+FFFD)."""
+
+    SPECIAL = 256
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if i != self.SPECIAL)
+        text = data.decode("utf-8", errors="replace")
+        return text if skip_special_tokens or self.SPECIAL not in ids else text + "<s>"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def feed(detok: IncrementalDetokenizer, text: str) -> tuple[list[str], str | None]:
+    """The pieces handed out token by token, and the stop string met (if any)."""
+    pieces = []
+    for token in ByteTokenizer().encode(text):
+        stop = detok.add(token)
+        pieces.append(detok.take(stop is not None))
+        if stop is not None:
+            return pieces, stop
+    return pieces, None
+
+
+def test_a_multibyte_character_is_held_back_until_complete() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer())  # type: ignore[arg-type]
+    pieces, stop = feed(detok, "aé😀b")
+    assert stop is None and "\ufffd" not in "".join(pieces)
+    # "é" is 2 bytes, "😀" 4: nothing goes out until the last byte of each.
+    assert pieces == ["a", "", "é", "", "", "", "😀", "b"]
+
+
+def test_flush_emits_an_incomplete_tail() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer())  # type: ignore[arg-type]
+    for token in "é".encode()[:1]:
+        detok.add(token)
+    assert detok.take(False) == ""
+    detok.flush()
+    assert detok.take(True) == "\ufffd"
+
+
+def test_a_stop_string_across_tokens_is_found_and_trimmed() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=["STOP", "x"])  # type: ignore[arg-type]
+    pieces, stop = feed(detok, "abcSTOPdef")
+    assert stop == "STOP"
+    assert "".join(pieces) == "abc" and detok.text == "abc"
+    # The last 3 characters (len("STOP") - 1) are held back while they could still start the stop string.
+    assert pieces == ["", "", "", "a", "b", "c", ""]
+
+
+def test_the_earliest_stop_string_wins() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop=["cd", "bcde"])  # type: ignore[arg-type]
+    _, stop = feed(detok, "abcdef")
+    assert stop == "cd" and detok.text == "ab"
+
+
+def test_special_tokens_are_skipped_or_kept() -> None:
+    for skip, expected in ((True, "hi"), (False, "hi<s>")):
+        detok = IncrementalDetokenizer(ByteTokenizer(), skip_special_tokens=skip)  # type: ignore[arg-type]
+        for token in [*b"hi", ByteTokenizer.SPECIAL]:
+            detok.add(token)
+        detok.flush()
+        assert detok.take(True) == expected
