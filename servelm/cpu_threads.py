@@ -268,10 +268,14 @@ class ThreadGovernor:
         self._next = 0.0
 
     @classmethod
-    def for_process(cls, num_threads: int | None, processes: int = 1) -> ThreadGovernor | None:
+    def for_process(cls, num_threads: int | None, processes: int = 1,
+                    deterministic: bool = False) -> ThreadGovernor | None:
         """The governor of a model process, or None where the count must not move: the user chose it
-        (--num-threads, OMP_NUM_THREADS), there is one thread anyway, or /proc/stat counts CPUs this process
-        cannot use (a CPU quota or affinity smaller than the machine: other tasks there are not our rivals)."""
+        (--num-threads, OMP_NUM_THREADS), there is one thread anyway, deterministic inference (its results
+        must not depend on the machine's load), or /proc/stat counts CPUs this process cannot use (a CPU
+        quota or affinity smaller than the machine: other tasks there are not our rivals)."""
+        if deterministic:
+            return None
         count, source = resolve_num_threads(num_threads, processes)
         cpus = available_cpus()
         if source != "available CPUs" or count < 2 or cpus != (os.cpu_count() or cpus) or others_running() is None:

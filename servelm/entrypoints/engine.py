@@ -48,7 +48,8 @@ class Engine:
         self.scheduler = Scheduler.from_server_args(server_args)
         # Fewer model threads while other processes want the CPUs (ticked every step).
         self.governor = ThreadGovernor.for_process(server_args.num_threads,
-                                                   processes=max(1, server_args.tp_size // server_args.nnodes))
+                                                   processes=max(1, server_args.tp_size // server_args.nnodes),
+                                                   deterministic=server_args.enable_deterministic_inference)
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()
 
