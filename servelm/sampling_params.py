@@ -7,6 +7,7 @@ the offline Engine raises it to the caller.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,3 +133,31 @@ class SamplingParams:
         if unknown:
             raise SamplingParamsError(sorted(unknown)[0], f"unknown sampling parameter: {', '.join(sorted(unknown))}")
         return cls(**data)
+
+
+# ------------------------------------------------------------------ request checks
+# One home for the checks that the API (a 400 naming the field) and the scheduler (its safety net) both make.
+def token_ids_error(ids: Sequence[int], vocab_size: int, what: str = "prompt") -> str | None:
+    """Why `ids` cannot be a prompt (empty, or a token outside the vocabulary), or None."""
+    if not ids:
+        return f"{what} must not be empty"
+    for pos, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            return f"{what}: token id {token} at position {pos} is out of range [0, {vocab_size})"
+    return None
+
+
+def context_length_error(prompt_len: int, max_new_tokens: int | None, context_length: int,
+                         prompt: str = "prompt", limit: str = "max_tokens") -> str | None:
+    """Why a prompt of `prompt_len` tokens (plus `max_new_tokens`, when known) does not fit the model's
+    context, or None. `prompt` and `limit` name the request's fields in the message."""
+    if not context_length:
+        return None
+    if prompt_len >= context_length:
+        return (f"This model's maximum context length is {context_length} tokens. However, the {prompt} has "
+                f"{prompt_len} tokens. Please reduce the length of the {prompt}.")
+    if max_new_tokens is not None and prompt_len + max_new_tokens > context_length:
+        return (f"This model's maximum context length is {context_length} tokens. However, you requested "
+                f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the {prompt}, {max_new_tokens} in the "
+                f"completion). Please reduce the length of the {prompt} or {limit}.")
+    return None

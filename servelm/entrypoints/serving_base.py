@@ -20,7 +20,7 @@ from servelm.managers.tokenizer_manager import (
     QueueFullError,
     RequestGroup,
 )
-from servelm.sampling_params import SamplingParams, SamplingParamsError
+from servelm.sampling_params import SamplingParams, SamplingParamsError, context_length_error, token_ids_error
 
 if TYPE_CHECKING:
     from servelm.entrypoints.http_server import ServerState
@@ -51,12 +51,18 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     def check_ids(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise bad(f"{param} must not be empty", param)
-        vocab = self.manager.vocab_size
-        for pos, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                raise bad(f"{param}: token id {t} at position {pos} is out of range [0, {vocab})", param)
+        error = token_ids_error(ids, self.manager.vocab_size, param)
+        if error:
+            raise bad(error, param)
+
+    def check_context(self, prompt_len: int, max_new_tokens: int | None, prompt_param: str,
+                      limit_param: str) -> None:
+        """A 400 when the prompt (with max_new_tokens, when known) does not fit the model's context."""
+        error = context_length_error(prompt_len, max_new_tokens, self.manager.context_length, prompt_param,
+                                     limit_param)
+        if error:
+            too_long = max_new_tokens is None or prompt_len >= self.manager.context_length
+            raise bad(error, prompt_param if too_long else limit_param)
 
     def sampling_params(self, req: Any, max_tokens: int | None, max_tokens_param: str, prompt_lens: list[int],
                         prompt_param: str, logprobs: bool, top_logprobs: int,
@@ -64,9 +70,7 @@ class OpenAIServing:
         """SamplingParams of an OpenAI request; `json_schema` (from `schema_param`) overrides response_format."""
         ctx = self.manager.context_length
         longest = max(prompt_lens)
-        if ctx and longest >= ctx:
-            raise bad(f"This model's maximum context length is {ctx} tokens. However, the {prompt_param} has "
-                      f"{longest} tokens. Please reduce the length of the {prompt_param}.", prompt_param)
+        self.check_context(longest, None, prompt_param, max_tokens_param)
         if max_tokens is None:
             max_tokens = (ctx - longest) if ctx else 16
         kw: dict[str, Any] = {"max_new_tokens": max_tokens, "n": req.n, "seed": req.seed,
@@ -86,11 +90,7 @@ class OpenAIServing:
         except SamplingParamsError as exc:
             param = {"max_tokens": max_tokens_param, "json_schema": schema_param}.get(exc.param, exc.param)
             raise bad(str(exc).replace(exc.param, param, 1), param) from None
-        if ctx and longest + params.max_new_tokens > ctx:
-            raise bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                      f"{longest + params.max_new_tokens} tokens ({longest} in the {prompt_param}, "
-                      f"{params.max_new_tokens} in the completion). Please reduce the length of the "
-                      f"{prompt_param} or {max_tokens_param}.", max_tokens_param)
+        self.check_context(longest, params.max_new_tokens, prompt_param, max_tokens_param)
         return params
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool) -> RequestGroup:

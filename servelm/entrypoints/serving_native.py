@@ -29,7 +29,7 @@ from servelm.managers.tokenizer_manager import (
     SchedulerUnavailableError,
     tokenizer_display_path,
 )
-from servelm.sampling_params import SamplingParams, SamplingParamsError
+from servelm.sampling_params import SamplingParams, SamplingParamsError, token_ids_error
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _SAMPLING_ADAPTER = pydantic.TypeAdapter(SamplingParams)
@@ -77,17 +77,13 @@ class ServingNative(OpenAIServing):
         for ids in prompts:
             self.check_ids(ids, param)
         params = native_sampling_params(req.sampling_params)
-        ctx = self.manager.context_length
         longest = max(len(p) for p in prompts)
         try:
             params.validate(self.manager.vocab_size)
         except SamplingParamsError as exc:
             name = "max_new_tokens" if exc.param == "max_tokens" else exc.param
             raise bad(f"sampling_params.{name}: {exc}", f"sampling_params.{name}") from None
-        if ctx and longest + params.max_new_tokens > ctx:
-            raise bad(f"This model's maximum context length is {ctx} tokens. However, you requested "
-                      f"{longest + params.max_new_tokens} tokens ({longest} in the prompt, "
-                      f"{params.max_new_tokens} to generate).", "sampling_params.max_new_tokens")
+        self.check_context(longest, params.max_new_tokens, param, "sampling_params.max_new_tokens")
         rid = req.rid or uuid.uuid4().hex
         group = self.submit(prompts, params, rid, req.stream)
 
@@ -138,10 +134,9 @@ class ServingNative(OpenAIServing):
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """POST /v1/detokenize: token ids to text."""
         self.check_model(req.model)
-        vocab = self.manager.vocab_size
-        for pos, t in enumerate(req.tokens):
-            if not 0 <= t < vocab:
-                raise bad(f"tokens: token id {t} at position {pos} is out of range [0, {vocab})", "tokens")
+        error = token_ids_error(req.tokens, self.manager.vocab_size, "tokens") if req.tokens else None
+        if error:
+            raise bad(error, "tokens")
         return {"prompt": self.manager.decode(req.tokens)}
 
     async def health_generate(self, request: Request) -> Response:

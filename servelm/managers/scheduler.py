@@ -24,7 +24,7 @@ from servelm.managers.io_struct import FinishReason, GenerateReq, TokenOut
 from servelm.managers.schedule_batch import SampleOutput, SamplingRow, StepInput
 from servelm.mem_cache.allocator import PageAllocator, slots_for
 from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, TreeNode, check_integrity
-from servelm.sampling_params import SamplingParams
+from servelm.sampling_params import SamplingParams, context_length_error, token_ids_error
 
 logger = logging.getLogger(__name__)
 
@@ -148,15 +148,11 @@ class Scheduler:
         """Queue a tokenized request; ValueError (SamplingParamsError) if it can never be served."""
         params = SamplingParams.from_dict(dict(req.sampling_params))
         params.validate(self.vocab_size)
-        if not req.input_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if len(req.input_ids) + params.max_new_tokens > self.max_context_len:
-            raise ValueError(f"This model's maximum context length is {self.max_context_len} tokens. However, you "
-                             f"requested {len(req.input_ids) + params.max_new_tokens} tokens "
-                             f"({len(req.input_ids)} in the prompt, {params.max_new_tokens} to generate).")
+        # The API checks the same first (as 400s); this is the safety net for the Engine and other callers.
+        error = token_ids_error(req.input_ids, self.vocab_size) or context_length_error(
+            len(req.input_ids), params.max_new_tokens, self.max_context_len, limit="max_new_tokens")
+        if error:
+            raise ValueError(error)
         if params.seed is not None:
             seed = params.seed
         elif self.config.deterministic:

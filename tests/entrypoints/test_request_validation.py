@@ -66,3 +66,18 @@ def test_api_key_compares_bytes_so_non_ascii_keys_work() -> None:
     assert guard("sk-secret", b"Bearer sk-secret") is None
     assert guard("sk-secret", b"Bearer sk-secreT") == 401
     assert guard(None, None) is None
+
+
+def test_one_home_for_prompt_checks() -> None:
+    from servelm.sampling_params import context_length_error, token_ids_error
+
+    assert token_ids_error([1, 2], 10) is None
+    assert token_ids_error([], 10, "input_ids") == "input_ids must not be empty"
+    assert token_ids_error([1, 10], 10) == "prompt: token id 10 at position 1 is out of range [0, 10)"
+    assert context_length_error(10, 5, 0) is None  # unknown context length: nothing to check
+    assert context_length_error(10, 5, 16) is None
+    assert context_length_error(16, None, 16) == ("This model's maximum context length is 16 tokens. However, the "
+                                                  "prompt has 16 tokens. Please reduce the length of the prompt.")
+    assert context_length_error(10, 7, 16, "messages", "max_completion_tokens") == (
+        "This model's maximum context length is 16 tokens. However, you requested 17 tokens (10 in the messages, "
+        "7 in the completion). Please reduce the length of the messages or max_completion_tokens.")
