@@ -26,9 +26,9 @@ SLOW_START_ENV = "SERVELM_TEST_SCHEDULER_DELAY_S"
 def slow_start_scheduler(server_args: Any) -> Any:
     """Sleep `$SERVELM_TEST_SCHEDULER_DELAY_S` seconds, then build the real scheduler."""
     time.sleep(float(os.environ.get(SLOW_START_ENV, "3")))
-    from servelm.managers.scheduler import Scheduler
+    from servelm.managers.engine_core import build_scheduler
 
-    return Scheduler.from_server_args(server_args)
+    return build_scheduler(server_args)
 
 
 STEP_DELAY_ENV = "SERVELM_TEST_STEP_DELAY_S"
@@ -37,9 +37,9 @@ STEP_DELAY_ENV = "SERVELM_TEST_STEP_DELAY_S"
 def slow_step_scheduler(server_args: Any) -> Any:
     """The real scheduler, each step delayed by `$SERVELM_TEST_STEP_DELAY_S` seconds: requests that
     outlast a test's deadlines on any machine, however fast."""
-    from servelm.managers.scheduler import Scheduler
+    from servelm.managers.engine_core import build_scheduler
 
-    scheduler = Scheduler.from_server_args(server_args)
+    scheduler = build_scheduler(server_args)
     step, delay = scheduler.step, float(os.environ.get(STEP_DELAY_ENV, "0.05"))
 
     def slow_step() -> Any:

@@ -12,8 +12,8 @@ from typing import Any
 
 from servelm.config import ServerArgs
 from servelm.cpu_threads import ThreadGovernor, configure_cpu_threads
+from servelm.managers.engine_core import build_scheduler
 from servelm.managers.io_struct import GenerateReq, OutputAccumulator, TokenOut
-from servelm.managers.scheduler import Scheduler
 from servelm.sampling_params import SamplingParams
 
 
@@ -45,7 +45,7 @@ class Engine:
         # Threads of this process and of the TP workers it spawns (they inherit the environment).
         self.cpu_threads = configure_cpu_threads(server_args.num_threads,
                                                  processes=max(1, server_args.tp_size // server_args.nnodes))
-        self.scheduler = Scheduler.from_server_args(server_args)
+        self.scheduler = build_scheduler(server_args)
         # Fewer model threads while other processes want the CPUs (ticked every step).
         self.governor = ThreadGovernor.for_process(server_args.num_threads,
                                                    processes=max(1, server_args.tp_size // server_args.nnodes),

@@ -7,7 +7,7 @@ sockets in a private temp dir. The HTTP port opens at once: `/health` answers 50
 loaded the model, then 200.
 
 Testing hook: `SERVELM_SCHEDULER_FACTORY=module:attr` in the environment runs `attr(server_args)` instead of
-`Scheduler.from_server_args` in the scheduler process (see `servelm.managers.scheduler_process`).
+`engine_core.build_scheduler` in the scheduler process (see `servelm.managers.scheduler_process`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -95,8 +96,12 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, runner: Runner, tokenizer: Any, config: SchedulerConfig, eos_token_ids: list[int],
-                 vocab_size: int, model_info: dict[str, Any] | None = None) -> None:
+                 vocab_size: int, model_info: dict[str, Any] | None = None,
+                 on_shutdown: Callable[[], None] | None = None) -> None:
+        """`on_shutdown` releases what was assembled around the scheduler (the model's other TP ranks);
+        the scheduler itself owns no process (`managers/engine_core.py` builds both sides)."""
         self.runner = runner
+        self.on_shutdown = on_shutdown
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
@@ -113,35 +118,6 @@ class Scheduler:
         self.grammars = GrammarFactory(tokenizer, vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
                       "finished": 0, "aborted": 0}
-
-    @classmethod
-    def from_server_args(cls, server_args: Any) -> Scheduler:
-        from servelm.managers.tp_worker import start_local_workers, with_dist_init_addr
-        from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility
-        from servelm.model_loader.default_model import model_path_or_default
-        from servelm.model_loader.source import load_model_source
-
-        # The default model is resolved (and logged) once, here; every rank then gets its path.
-        server_args = with_dist_init_addr(server_args.replace(model_path=model_path_or_default(server_args.model_path, announce=True)))
-        # Checked before any rank process starts, so a bad --tp-size is one clear error.
-        source = load_model_source(server_args.model_path)
-        check_tp_divisibility(source.config, server_args.tp_size)
-        workers = start_local_workers(server_args)
-        try:
-            runner = ModelRunner(server_args, tp_rank=0, source=source)
-        except BaseException:
-            if workers is not None:
-                workers.stop(timeout=0)
-            raise
-        runner.workers = workers
-        cfg = SchedulerConfig(num_pages=runner.num_pages, page_size=server_args.page_size,
-                              chunked_prefill_size=server_args.chunked_prefill_size,
-                              max_running_requests=server_args.max_running_requests,
-                              max_context_len=runner.max_context_len,
-                              disable_radix_cache=server_args.disable_radix_cache,
-                              random_seed=server_args.random_seed,
-                              deterministic=server_args.enable_deterministic_inference)
-        return cls(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info())
 
     # ------------------------------------------------------------ requests
     def add_request(self, req: GenerateReq) -> None:
@@ -410,15 +386,9 @@ class Scheduler:
 
     # ------------------------------------------------------------ control
     def shutdown(self) -> None:
-        """Stop the other TP ranks (if any) and leave the process group."""
-        workers = getattr(self.runner, "workers", None)
-        if workers is not None:
-            workers.expect_exit()
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
-        if workers is not None:
-            workers.stop()
+        """Release the model's other TP ranks (if any) and leave the process group."""
+        if self.on_shutdown is not None:
+            self.on_shutdown()
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused while requests are running."""

@@ -9,7 +9,7 @@ Bad input never ends the loop: `add_request` errors come back to the API as
 a finished output with an abort `FinishReason` that says why.
 
 `SERVELM_SCHEDULER_FACTORY=module:attr` (an environment variable, read in
-this process) replaces `Scheduler.from_server_args` with `attr(server_args)`;
+this process) replaces `engine_core.build_scheduler` with `attr(server_args)`;
 tests use it to run a stand-in scheduler without a model.
 """
 
@@ -79,9 +79,9 @@ def die_with_parent(parent_pid: int) -> None:
 def _load_factory() -> Any:
     spec = os.environ.get(SCHEDULER_FACTORY_ENV)
     if not spec:
-        from servelm.managers.scheduler import Scheduler
+        from servelm.managers.engine_core import build_scheduler
 
-        return Scheduler.from_server_args
+        return build_scheduler
     module_name, _, attr = spec.partition(":")
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):

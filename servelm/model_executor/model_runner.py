@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -86,7 +87,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.server_args = server_args
         self.tp_rank, self.tp_size = tp_rank, server_args.tp_size
-        self.workers: Any = None  # rank 0: this node's other TP ranks (TPWorkers), set by the Scheduler
+        # Rank 0 under TP: names this node's TP rank that died, if one did (TPWorkers.report_death, set by
+        # managers/engine_core.py); the runner owns no worker process.
+        self.dead_rank_reporter: Callable[[], str | None] | None = None
         self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
         set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
@@ -160,9 +163,9 @@ class ModelRunner:
         line naming it. None when the failure is not that (a bug here, or a rank elsewhere)."""
         from servelm.distributed.failures import is_collective_failure
 
-        if self.workers is None or not is_collective_failure(exc):
+        if self.dead_rank_reporter is None or not is_collective_failure(exc):
             return None
-        return self.workers.report_death()
+        return self.dead_rank_reporter()
 
     def _load_weights(self, source: Any) -> None:
         weights = tqdm(source.iter_weights(self.dtype), total=source.num_weights, desc="Loading weights",

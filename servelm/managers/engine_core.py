@@ -1,0 +1,56 @@
+"""Assembling rank 0 of a model server (as vLLM's `EngineCore` builds both sides): resolve the model, start
+this node's other TP ranks, build the model runner, then the scheduler over it.
+
+The scheduler owns neither the processes nor the process group: it gets an `on_shutdown` that releases
+them, and the runner gets a way to name a dead rank (`TPWorkers.report_death`), not the workers themselves.
+The server's scheduler process and the offline `Engine` both build through here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servelm.config import ServerArgs
+from servelm.managers.scheduler import Scheduler, SchedulerConfig
+
+
+def build_scheduler(server_args: ServerArgs) -> Scheduler:
+    """The scheduler of rank 0, with its model runner and (under TP) this node's other ranks running."""
+    from servelm.managers.tp_worker import start_local_workers, with_dist_init_addr
+    from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility
+    from servelm.model_loader.default_model import model_path_or_default
+    from servelm.model_loader.source import load_model_source
+
+    # The default model is resolved (and logged) once, here; every rank then gets its path.
+    server_args = with_dist_init_addr(
+        server_args.replace(model_path=model_path_or_default(server_args.model_path, announce=True)))
+    # Checked before any rank process starts, so a bad --tp-size is one clear error.
+    source = load_model_source(server_args.model_path)
+    check_tp_divisibility(source.config, server_args.tp_size)
+    workers = start_local_workers(server_args)
+    try:
+        runner = ModelRunner(server_args, tp_rank=0, source=source)
+    except BaseException:
+        if workers is not None:
+            workers.stop(timeout=0)
+        raise
+    if workers is not None:
+        runner.dead_rank_reporter = workers.report_death
+    cfg = SchedulerConfig(num_pages=runner.num_pages, page_size=server_args.page_size,
+                          chunked_prefill_size=server_args.chunked_prefill_size,
+                          max_running_requests=server_args.max_running_requests,
+                          max_context_len=runner.max_context_len,
+                          disable_radix_cache=server_args.disable_radix_cache,
+                          random_seed=server_args.random_seed,
+                          deterministic=server_args.enable_deterministic_inference)
+    return Scheduler(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info(),
+                     on_shutdown=lambda: _shutdown(runner, workers))
+
+
+def _shutdown(runner: Any, workers: Any) -> None:
+    """Release the other TP ranks from their follow loop and leave the process group, then reap them."""
+    if workers is not None:
+        workers.expect_exit()  # their exit is no longer a death
+    runner.shutdown()
+    if workers is not None:
+        workers.stop()
