@@ -110,9 +110,9 @@ class ServingChat(OpenAIServing):
         except ValueError as exc:
             raise bad(str(exc), "messages") from None
         try:
+            tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = self.manager.chat_prompt_ids(messages, req.add_generation_prompt, req.continue_final_message,
-                                               [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                                               req.chat_template_kwargs)
+                                               tool_dicts, req.chat_template_kwargs)
         except Exception as exc:  # jinja errors (e.g. roles out of order) are the request's fault
             raise bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
         self.check_ids(ids, "messages")
@@ -133,7 +133,7 @@ class ServingChat(OpenAIServing):
         content = []
         for k, tid in enumerate(out.token_ids[:len(out.logprobs)]):
             text = self.manager.token_text(tid)
-            tops = [TopLogprob(token=self.manager.token_text(t), logprob=lp, bytes=list(self.manager.token_text(t).encode()))
+            tops = [TopLogprob(token=(alt := self.manager.token_text(t)), logprob=lp, bytes=list(alt.encode()))
                     for t, lp in (out.top_logprobs[k] if k < len(out.top_logprobs) else [])]
             content.append(ChatTokenLogprob(token=text, logprob=out.logprobs[k], bytes=list(text.encode()),
                                             top_logprobs=tops))
@@ -193,8 +193,9 @@ class ChatStream:
             if scan.calls:  # calls went out already; a cut-off list is not also sent as text
                 content = None
         if deltas or content or finish or (self.params.logprobs and out.logprobs):
-            yield self.chunk([ChatCompletionStreamChoice(index=index, finish_reason=finish, logprobs=self.logprobs(out),
-                                                         delta=DeltaMessage(content=content, tool_calls=deltas or None))])
+            yield self.chunk([ChatCompletionStreamChoice(
+                index=index, finish_reason=finish, logprobs=self.logprobs(out),
+                delta=DeltaMessage(content=content, tool_calls=deltas or None))])
 
     def render_hermes(self, index: int, out: TokenOut, acc: Accumulated) -> Iterator[str]:
         """Auto (hermes): the text before the model starts a call streams as content, the calls follow as

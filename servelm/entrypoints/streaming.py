@@ -112,7 +112,7 @@ async def collect(group: RequestGroup, request: Request) -> list[Accumulated]:
 
 
 def usage(prompt_lens: list[int], accs: list[Accumulated], n: int) -> UsageInfo:
-    """Token counts of a request group; the prompt is counted once per prompt however many samples it has (as OpenAI does)."""
+    """Token counts of a request group; a prompt counts once however many samples it has (as OpenAI does)."""
     prompt_tokens = sum(prompt_lens)
     completion = sum(a.completion_tokens or len(a.token_ids) for a in accs)
     cached = sum(max((a.cached_tokens for a in accs[p * n:(p + 1) * n]), default=0)

@@ -329,7 +329,8 @@ class Scheduler:
         """After a prefill chunk, put the request's KV so far in the prefix cache (as SGLang does), so
         requests admitted while it still runs reuse it; the request keeps it locked. Pages it computed
         twice (another request inserted the same prefix first) are freed and it reads the cached ones."""
-        res = self.cache.cache_unfinished_req(req.all_ids[:req.num_computed], req.slots, req.cache_protected_len, req.last_node)
+        res = self.cache.cache_unfinished_req(req.all_ids[:req.num_computed], req.slots, req.cache_protected_len,
+                                              req.last_node)
         req.last_node, req.cache_protected_len = res.node, len(res.slots)
         req.slots = list(res.slots) + req.slots[len(res.slots):]
         req.pages = [s // self.page_size for s in req.slots[:: self.page_size]]

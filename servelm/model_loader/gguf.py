@@ -101,7 +101,8 @@ def _scalar(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def _rope_parameters(reader: GGUFReader, arch: str, tensor_names: set[str]) -> dict[str, Any]:
     """RoPE settings in transformers' `rope_parameters` form (rope_theta + scaling keys)."""
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(_scalar(reader, f"{arch}.rope.freq_base", 10000.0))}
+    theta = float(_scalar(reader, f"{arch}.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     scaling = _scalar(reader, f"{arch}.rope.scaling.type")
     factor = _scalar(reader, f"{arch}.rope.scaling.factor")
     if scaling in ("linear", "yarn") and factor is not None and float(factor) != 1.0:

@@ -39,7 +39,8 @@ def _run(folder, **kw) -> list[dict]:
     engine = Engine(model_path=str(folder), max_total_tokens=2048, **kw)
     try:
         # The last prompt's output is constrained: its allowed-token mask travels with its sampling row.
-        outs = engine.generate(input_ids=_prompts(), sampling_params=[GREEDY] * 3 + [{**GREEDY, "regex": "[0-9]{2,12}"}])
+        constrained = {**GREEDY, "regex": "[0-9]{2,12}"}
+        outs = engine.generate(input_ids=_prompts(), sampling_params=[GREEDY] * 3 + [constrained])
         assert re.fullmatch("[0-9]{2,12}", outs[-1]["text"]), outs[-1]["text"]
         return outs
     finally:

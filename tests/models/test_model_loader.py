@@ -145,7 +145,8 @@ def test_gguf_weights_equal_transformers_gguf_loading(gguf_source, gguf_weights,
     for name in ("q_proj", "k_proj", "v_proj"):
         key = f"model.layers.0.self_attn.{name}.weight"
         assert torch.equal(gguf_weights[key], ref[key]), key
-    assert torch.equal(gguf_weights["model.layers.0.input_layernorm.weight"], ref["model.layers.0.input_layernorm.weight"])
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(gguf_weights[norm], ref[norm])
 
 
 def test_gguf_q_and_k_are_unpermuted(gguf_source, gguf_weights) -> None:
@@ -261,7 +262,8 @@ def test_chat_template_override(
     monkeypatch.setenv("SERVELM_CACHE_DIR", str(tokenizer_cache))
     literal = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     tok = load_tokenizer(gguf_path, chat_template=literal)
-    assert tok.apply_chat_template(SAMPLE_CHAT[:2], tokenize=False) == "[system] You are terse.\n[user] Hi there, 2+2?\n"
+    expected = "[system] You are terse.\n[user] Hi there, 2+2?\n"
+    assert tok.apply_chat_template(SAMPLE_CHAT[:2], tokenize=False) == expected
     template_file = tmp_path / "t.jinja"
     template_file.write_text("{{ messages[-1]['content'] }}!")
     tok = load_tokenizer(gguf_path, chat_template=str(template_file))
@@ -527,7 +529,8 @@ def test_hf_folder_roundtrip(tmp_path: Path, arch: str, extra: dict, sharded: bo
     theirs.pop("_name_or_path")
     assert ours == theirs
 
-    expected = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and extra["tie_word_embeddings"])}
+    tied = extra["tie_word_embeddings"]
+    expected = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and tied)}
     got = dict(source.iter_weights(torch.float32))
     assert source.num_weights == len(got)
     assert set(got) == set(expected)
