@@ -4,15 +4,24 @@
   and the exception handlers that turn every failure into it (`install_error_handlers`): a client mistake
   is a 4xx naming the field, a fault of ours a 500 with no traceback sent.
 * `GuardMiddleware`: 401 without the API key, 503 while starting or stopping, before any endpoint runs.
+* `GracefulServer`: uvicorn that drains running requests on SIGTERM (the server says how) before stopping;
+  `listen_socket`: the port, bound before a model loads; `configure_logging`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hmac
 import logging
-from collections.abc import Callable
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -159,3 +168,76 @@ def health_response(state: GuardedState) -> Response:
         return error_response(503, "The server is starting", type="service_unavailable",
                               headers={"Retry-After": "1"})
     return Response(status_code=200)
+
+
+# ------------------------------------------------------------------ serving
+class ServerError(RuntimeError):
+    """The server could not start or stopped on a fault (e.g. the scheduler process failed)."""
+
+
+class StoppableState(Protocol):
+    shutting_down: bool
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn that stops gracefully on Ctrl-C/SIGTERM.
+
+    The signal marks the server as stopping at once (the guard answers new requests with 503 while the port
+    stays open), then `drain(signal)` runs before uvicorn's own shutdown, which would cancel the running
+    handlers mid-request (plain-text 500s, streams cut without [DONE], CancelledError tracebacks). The
+    signal is not re-raised afterwards, so the caller returns normally.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: StoppableState,
+                 drain: Callable[[int | None], Awaitable[None]]) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain = drain
+        self.stop_signal: int | None = None  # the signal that stops the server, if one did
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in originals.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.state.shutting_down = True
+        if self.stop_signal is None:
+            self.stop_signal = sig
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        if not self.force_exit:
+            await self.drain(self.stop_signal)
+        await super().shutdown(sockets)
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for uvicorn to serve on; ServerError (one line) when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ServerError(f"Port {port} on {host} is already in use (another server?): stop it or pass "
+                              f"another --port") from None
+        raise ServerError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def configure_logging(level: str) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("servelm").setLevel(level.upper())

@@ -74,7 +74,6 @@ class ServerState:
     metrics: ServerMetrics
     ready: bool = False
     shutting_down: bool = False
-    stop_signal: int | None = None  # the signal that stops the server, if one did
     started_at: float = field(default_factory=time.monotonic)
     fatal_error: str | None = None
     proc: Any = None  # the scheduler process

@@ -14,25 +14,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import multiprocessing
 import multiprocessing.resource_tracker
 import os
 import shutil
 import signal
-import socket
-import sys
 import tempfile
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
 
 from servelm.config import ServerArgs
+from servelm.entrypoints.http_common import GracefulServer, ServerError, configure_logging, listen_socket
 from servelm.entrypoints.http_server import ServerState, build_app, served_model_name
 from servelm.managers.scheduler_process import run_scheduler_process
 from servelm.managers.tokenizer_manager import TokenizerManager, load_server_tokenizer
@@ -41,10 +38,6 @@ from servelm.metrics import ServerMetrics
 logger = logging.getLogger("servelm.http_server")
 
 SCHEDULER_STOP_TIMEOUT_S = 5.0
-
-
-class ServerError(RuntimeError):
-    """The server could not start or stopped on a fault (e.g. the scheduler process failed)."""
 
 
 def scheduler_lifespan(state: ServerState) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
@@ -146,46 +139,12 @@ def _stop_scheduler(proc: Any) -> None:
         getattr(tracker, "_stop", lambda: None)()
 
 
-class _UvicornServer(uvicorn.Server):
-    """uvicorn without re-raising the stop signal after a graceful shutdown, so that
-    `launch_server` returns normally on Ctrl-C/SIGTERM; new requests get 503 meanwhile."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.state = state
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in originals.items():
-                signal.signal(sig, handler)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        self.state.shutting_down = True
-        if self.state.stop_signal is None:
-            self.state.stop_signal = sig
-        super().handle_exit(sig, frame)
-
-    async def shutdown(self, sockets: list[Any] | None = None) -> None:
-        # Drain before uvicorn's own shutdown, which would cancel the running handlers mid-request
-        # (plain-text 500s, streams cut without [DONE], CancelledError tracebacks).
-        if not self.force_exit:
-            await _drain(self.state)
-        await super().shutdown(sockets)
-
-
-async def _drain(state: ServerState) -> None:
+async def _drain(state: ServerState, stop_signal: int | None) -> None:
     """Stop gracefully: new requests already get 503 (`shutting_down`, while the port stays open); running
     ones get up to --shutdown-timeout seconds (none on Ctrl-C, which a person wants at once) to finish;
     then each still open is ended with a 503 error body, or an SSE error event and [DONE]."""
     manager = state.manager
-    grace = 0.0 if state.stop_signal == signal.SIGINT else state.server_args.shutdown_timeout
+    grace = 0.0 if stop_signal == signal.SIGINT else state.server_args.shutdown_timeout
     deadline = time.monotonic() + grace
     while manager.num_in_flight and time.monotonic() < deadline and state.proc is not None and state.proc.is_alive():
         await asyncio.sleep(0.05)
@@ -196,30 +155,6 @@ async def _drain(state: ServerState) -> None:
     # uvicorn's shutdown then waits (timeout_graceful_shutdown) for the handlers to send those errors.
 
 
-def _listen_socket(host: str, port: int) -> socket.socket:
-    """A socket bound to host:port for uvicorn to serve on; ServerError (one line) when it cannot be had."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        if exc.errno == errno.EADDRINUSE:
-            raise ServerError(f"Port {port} on {host} is already in use (another server?): stop it or pass "
-                              f"another --port") from None
-        raise ServerError(f"Cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def _configure_logging(level: str) -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("servelm").setLevel(level.upper())
-
-
 def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler process and serve HTTP until Ctrl-C/SIGTERM; blocks for the server's lifetime.
 
@@ -227,7 +162,7 @@ def launch_server(server_args: ServerArgs) -> None:
     when uvicorn cannot bind the port. The scheduler process is stopped on
     every way out.
     """
-    _configure_logging(server_args.log_level)
+    configure_logging(server_args.log_level)
     if server_args.node_rank > 0:
         # Other nodes of a multi-node TP group only run their ranks; node 0 serves HTTP.
         from servelm.managers.tp_worker import run_node_workers
@@ -237,7 +172,7 @@ def launch_server(server_args: ServerArgs) -> None:
             raise ServerError(f"a TP rank on node {server_args.node_rank} exited with code {code}")
         return
     # The port first, before the model loads: a port in use is one line at once, not after the load.
-    sock = _listen_socket(server_args.host, server_args.port)
+    sock = listen_socket(server_args.host, server_args.port)
     tmpdir = tempfile.mkdtemp(prefix="servelm-")
     to_scheduler = f"ipc://{os.path.join(tmpdir, 'to_scheduler')}"
     from_scheduler = f"ipc://{os.path.join(tmpdir, 'from_scheduler')}"
@@ -261,7 +196,7 @@ def launch_server(server_args: ServerArgs) -> None:
                                 log_level=server_args.uvicorn_log_level or server_args.log_level,
                                 access_log=not server_args.disable_uvicorn_access_log, timeout_graceful_shutdown=3,
                                 timeout_keep_alive=5)
-        server = _UvicornServer(config, state)
+        server = GracefulServer(config, state, drain=lambda sig: _drain(state, sig))
         state.uvicorn_server = server
         # uvicorn logs no "Uvicorn running on ..." for a socket it is given: nothing may be sent yet, and
         # "servelm ready" is the line that says when.
