@@ -158,9 +158,8 @@ async def _drain(state: ServerState, stop_signal: int | None) -> None:
 def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler process and serve HTTP until Ctrl-C/SIGTERM; blocks for the server's lifetime.
 
-    Raises ServerError when the scheduler fails to start or dies, and SystemExit
-    when uvicorn cannot bind the port. The scheduler process is stopped on
-    every way out.
+    Raises ServerError when the port cannot be had, or the scheduler fails to start or dies. The
+    scheduler process is stopped on every way out.
     """
     configure_logging(server_args.log_level)
     if server_args.node_rank > 0:
