@@ -157,6 +157,11 @@ class ServerArgs:
                     values[name] = value
         return cls(**values)
 
+    @property
+    def tp_ranks_per_node(self) -> int:
+        """TP ranks (model processes) on each node: they share that node's CPUs."""
+        return max(1, self.tp_size // self.nnodes)
+
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
 

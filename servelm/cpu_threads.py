@@ -40,7 +40,6 @@ DEFAULTED_ENV = "SERVELM_DEFAULTED_ENV"
 
 # The user's choice of how idle OpenMP workers wait (reported; libgomp's default spins, then sleeps).
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
-THREAD_COUNT_VARS = ("OMP_NUM_THREADS",)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")

@@ -49,7 +49,7 @@ def run(request: ServeRequest) -> None:
         check_model_path_or_exit(server_args.model_path)
     # Before the scheduler and TP worker processes are spawned: they inherit the environment.
     threads = configure_cpu_threads(server_args.num_threads,
-                                    processes=max(1, server_args.tp_size // server_args.nnodes))
+                                    processes=server_args.tp_ranks_per_node)
     logger.info("Model processes use %s", describe_threads(threads))
     # Imported here so that help, detection and `servelm backends` never pull in the runtime.
     from servelm.entrypoints.launch import ServerError, launch_server

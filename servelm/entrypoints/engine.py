@@ -44,11 +44,11 @@ class Engine:
         self.server_args = server_args
         # Threads of this process and of the TP workers it spawns (they inherit the environment).
         self.cpu_threads = configure_cpu_threads(server_args.num_threads,
-                                                 processes=max(1, server_args.tp_size // server_args.nnodes))
+                                                 processes=server_args.tp_ranks_per_node)
         self.scheduler = build_scheduler(server_args)
         # Fewer model threads while other processes want the CPUs (ticked every step).
         self.governor = ThreadGovernor.for_process(server_args.num_threads,
-                                                   processes=max(1, server_args.tp_size // server_args.nnodes),
+                                                   processes=server_args.tp_ranks_per_node,
                                                    deterministic=server_args.enable_deterministic_inference)
         self.tokenizer = self.scheduler.tokenizer
         self._ids = itertools.count()

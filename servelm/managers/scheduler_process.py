@@ -234,7 +234,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     send.setsockopt(zmq.LINGER, 0)
     send.connect(send_addr)
     loop = SchedulerLoop(scheduler, recv, send, governor=ThreadGovernor.for_process(
-        server_args.num_threads, processes=max(1, server_args.tp_size // server_args.nnodes),
+        server_args.num_threads, processes=server_args.tp_ranks_per_node,
         deterministic=server_args.enable_deterministic_inference))
     signal.signal(signal.SIGTERM, lambda *_: loop.request_stop())
     ready_writer.send({"status": "ready", "model_info": model_info})

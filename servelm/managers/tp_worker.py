@@ -48,7 +48,7 @@ def local_ranks(server_args: ServerArgs) -> range:
     """Global ranks hosted by this node (ranks are laid out node by node)."""
     if server_args.tp_size % server_args.nnodes:
         raise ConfigError(f"--tp-size ({server_args.tp_size}) must be a multiple of --nnodes ({server_args.nnodes})")
-    per_node = server_args.tp_size // server_args.nnodes
+    per_node = server_args.tp_ranks_per_node
     return range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
 
 

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from servelm.config import ServerArgs
 from servelm.constrained import MAX_SCHEMA_DEPTH, check_schema_depth, grammar_of
 from servelm.entrypoints.http_common import guard_error
 from servelm.entrypoints.openai_protocol import CompletionRequest, invalid_text_path
@@ -51,7 +50,7 @@ def test_schema_depth_is_bounded() -> None:
 
 
 def guard(api_key: str | None, header: bytes | None) -> int | None:
-    state = SimpleNamespace(api_key=ServerArgs(api_key=api_key).api_key, shutting_down=False, ready=True)
+    state = SimpleNamespace(api_key=api_key, shutting_down=False, ready=True)
     scope = {"headers": [] if header is None else [(b"authorization", header)]}
     response = guard_error(state, scope)  # type: ignore[arg-type]
     return None if response is None else response.status_code
