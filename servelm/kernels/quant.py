@@ -1,0 +1,212 @@
+"""Quantised weights on CPU: ggml block formats (Q8_0, Q4_0, Q4_1) and the matmul over them.
+
+A `QuantWeight` is one [N out, K in] matrix quantised by rows in blocks of 32 weights, kept in the
+layout the kernel reads: `qs` (the block payloads: int8 [N, KB, 32] for q8_0; uint8 [N, KB, 16]
+packed nibbles in ggml order for q4_*: element j in the low nibble of byte j, element j + 16 in the
+high one), `d` (fp16 [N, KB] block scales) and `m` (fp16 [N, KB] block minimums, q4_1 only).
+KB = ceil(K / 32); `quantize` zero-pads K to a multiple of 32.
+
+Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * q + m` for
+q4_1, fp32 mul then add). `linear` runs the C++ kernel in `csrc/` (AVX-512 / AVX2 / scalar, chosen at
+run time, built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch
+path: dequantise, then matmul.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
+
+FORMATS = ("q8_0", "q4_0", "q4_1")
+BLOCK = 32
+_GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+              "q4_1": GGMLQuantizationType.Q4_1}
+# bytes of one ggml block: fp16 scale (+ fp16 min for q4_1) then the payload
+_HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
+_PAYLOAD = {"q8_0": 32, "q4_0": 16, "q4_1": 16}
+FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512" or "torch": force one path (tests, benchmarks)
+
+
+@dataclass
+class QuantWeight:
+    """One [N, K] weight quantised by rows; see the module docstring for the tensors' layout."""
+
+    fmt: str
+    shape: tuple[int, int]
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of the tensors."""
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    @property
+    def blocks(self) -> int:
+        return self.qs.shape[1]
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantisation format {fmt!r}; expected one of {', '.join(FORMATS)}")
+
+
+def bytes_per_block(fmt: str) -> int:
+    _check_fmt(fmt)
+    return _HEADER[fmt] + _PAYLOAD[fmt]
+
+
+def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
+    """A weight from its ggml blocks: `raw` uint8 viewed [N, bytes_per_row] (GGUFReader's tensor.data).
+
+    No fp32 round trip: the scales and payloads are copied out of the blocks as they are.
+    """
+    _check_fmt(fmt)
+    n, k = int(shape[0]), int(shape[1])
+    kb = -(-k // BLOCK)
+    bpb = bytes_per_block(fmt)
+    arr = np.ascontiguousarray(np.asarray(raw).view(np.uint8)).reshape(n, -1)
+    if arr.shape[1] != kb * bpb:
+        raise ValueError(f"{fmt} weight of shape {shape}: expected {kb * bpb} bytes per row, got {arr.shape[1]}")
+    blocks = torch.from_numpy(arr).view(n, kb, bpb)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, kb)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).view(n, kb) if fmt == "q4_1" else None
+    qs = blocks[..., _HEADER[fmt]:].contiguous()
+    if fmt == "q8_0":
+        qs = qs.view(torch.int8)
+    return QuantWeight(fmt, (n, k), qs, d, m)
+
+
+def to_gguf(qw: QuantWeight) -> np.ndarray:
+    """The ggml blocks of `qw`, uint8 [N, bytes_per_row] (inverse of `from_gguf`)."""
+    n, kb = qw.shape[0], qw.blocks
+    parts = [qw.d.view(torch.uint8).view(n, kb, 2)]
+    if qw.m is not None:
+        parts.append(qw.m.view(torch.uint8).view(n, kb, 2))
+    parts.append(qw.qs.view(torch.uint8))
+    return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
+
+
+def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
+    """Quantise an fp32/bf16 [N, K] weight with llama.cpp's reference rounding (gguf's quantize_row_*_ref).
+
+    K that is not a multiple of 32 is zero-padded.
+    """
+    _check_fmt(fmt)
+    if w.dim() != 2:
+        raise ValueError(f"quantize expects a 2-D [N, K] weight, got shape {tuple(w.shape)}")
+    n, k = w.shape
+    w32 = w.detach().to(torch.float32)
+    if k % BLOCK:
+        w32 = F.pad(w32, (0, BLOCK - k % BLOCK))
+    raw = gguf_quantize(w32.contiguous().numpy(), _GGML_TYPE[fmt])
+    return from_gguf(raw, fmt, (n, k))
+
+
+def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included."""
+    qs, d, m = qw.qs, qw.d, qw.m
+    if rows is not None:
+        qs, d = qs[rows], d[rows]
+        m = m[rows] if m is not None else None
+    if qw.fmt == "q8_0":
+        vals = qs.to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
+    else:
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+        if qw.fmt == "q4_0":
+            vals = (q.to(torch.int8) - 8).to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
+        else:
+            vals = q.to(torch.float32) * d.to(torch.float32).unsqueeze(-1) + m.to(torch.float32).unsqueeze(-1)
+    return vals.reshape(*vals.shape[:-2], -1)
+
+
+def dequantize(qw: QuantWeight) -> torch.Tensor:
+    """fp32 [N, K]."""
+    return _unpack(qw)[:, : qw.shape[1]].contiguous()
+
+
+def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """The dequantised rows `qw[ids]`: fp32 [..., K]."""
+    flat = ids.reshape(-1).to(torch.long)
+    rows = _unpack(qw, flat)[:, : qw.shape[1]]
+    return rows.reshape(*ids.shape, qw.shape[1])
+
+
+def kernel_backend() -> str:
+    """The path `linear` takes here: "avx512", "avx2", "scalar" (C++ kernel) or "torch" (no kernel)."""
+    forced = os.environ.get(FORCE_ENV, "").strip().lower()
+    if forced == "torch":
+        return "torch"
+    return "torch"
+
+
+def batch_invariant() -> bool:
+    """True when `linear`'s rows do not depend on the batch (the C++ kernel; not the torch fallback)."""
+    return kernel_backend() != "torch"
+
+
+def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
+
+    Batch-invariant on the C++ kernel: each output element is one fixed-order reduction over K
+    (same lanes, same order, same final horizontal sum) whatever M is, whatever the other rows of x are
+    and however the threads split the work, so row m is bitwise identical for any batch. The torch
+    fallback (`kernel_backend() == "torch"`) does not promise that; see `batch_invariant()`.
+    """
+    if x.shape[-1] != qw.shape[1]:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {qw.shape[1]}")
+    return F.linear(x.to(torch.float32), dequantize(qw), bias)
+
+
+def narrow_rows(qw: QuantWeight, start: int, length: int) -> QuantWeight:
+    """Output rows [start, start + length) (column-parallel and vocab shards, the q/k/v split)."""
+    n = qw.shape[0]
+    if start < 0 or length < 0 or start + length > n:
+        raise ValueError(f"narrow_rows: [{start}, {start + length}) is outside the {n} rows")
+    m = qw.m[start: start + length].contiguous() if qw.m is not None else None
+    return QuantWeight(qw.fmt, (length, qw.shape[1]), qw.qs[start: start + length].contiguous(),
+                       qw.d[start: start + length].contiguous(), m)
+
+
+def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
+    """Input columns [start, start + length) (row-parallel TP). Whole blocks only: start and length
+    must be multiples of 32 (length may also run to the end of a K that is not)."""
+    k = qw.shape[1]
+    if start < 0 or length < 0 or start + length > k:
+        raise ValueError(f"narrow_cols: [{start}, {start + length}) is outside the {k} columns")
+    if start % BLOCK or (length % BLOCK and start + length != k):
+        raise ValueError(f"narrow_cols: start ({start}) and length ({length}) must be multiples of {BLOCK}, "
+                         f"the {qw.fmt} block size")
+    b0, nb = start // BLOCK, -(-length // BLOCK)
+    m = qw.m[:, b0: b0 + nb].contiguous() if qw.m is not None else None
+    return QuantWeight(qw.fmt, (qw.shape[0], length), qw.qs[:, b0: b0 + nb].contiguous(),
+                       qw.d[:, b0: b0 + nb].contiguous(), m)
+
+
+def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Stack row blocks (merged gate_up, qkv): all parts share the format and K."""
+    if not parts:
+        raise ValueError("cat_rows: no parts")
+    fmt, k = parts[0].fmt, parts[0].shape[1]
+    for p in parts:
+        if p.fmt != fmt or p.shape[1] != k:
+            raise ValueError(f"cat_rows: parts differ ({p.fmt}, K={p.shape[1]} vs {fmt}, K={k})")
+    m = torch.cat([p.m for p in parts]) if fmt == "q4_1" else None
+    return QuantWeight(fmt, (sum(p.shape[0] for p in parts), k), torch.cat([p.qs for p in parts]),
+                       torch.cat([p.d for p in parts]), m)
+
+
+def permute_rows(qw: QuantWeight, index: torch.Tensor) -> QuantWeight:
+    """Rows reordered: row i of the result is row index[i] of `qw`."""
+    index = index.to(torch.long)
+    if index.dim() != 1 or index.numel() != qw.shape[0]:
+        raise ValueError(f"permute_rows: index must be 1-D with {qw.shape[0]} entries, got {tuple(index.shape)}")
+    m = qw.m.index_select(0, index) if qw.m is not None else None
+    return QuantWeight(qw.fmt, qw.shape, qw.qs.index_select(0, index), qw.d.index_select(0, index), m)
