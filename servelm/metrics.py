@@ -2,9 +2,12 @@
 
 Names follow vLLM/SGLang (`<prefix>:<name>`) so existing dashboards need only
 the prefix changed. Latencies and token counts are observed in the API
-process as outputs arrive; scheduler-side state (running/queued requests, KV
-usage, cache hit rate) is pulled from the scheduler when `/metrics` is
-scraped, so it is never stale.
+process as outputs arrive; a request's queue/prefill/decode times come with
+its final output, measured by the scheduler; tokens per step and preemptions
+(retractions) come with the scheduler's output messages
+(`BatchTokenOut.iteration_tokens`, `num_preemptions`); scheduler-side state
+(running/queued requests, KV usage, cache hit rate) is pulled from the
+scheduler when `/metrics` is scraped, so it is never stale.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ PREFIX = "servelm"
 # them too). A process-wide switch of prometheus-client: this module is what exports in this process.
 disable_created_metrics()
 
+# vLLM's buckets of iteration_tokens_total (its CUDA-graph batch sizes and up).
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
 
@@ -40,8 +45,8 @@ class ServerMetrics:
         labels = ["model_name"]
         self.model_name = model_name
 
-        def hist(name: str, doc: str) -> Histogram:
-            return Histogram(f"{PREFIX}:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"{PREFIX}:{name}", doc, labels, buckets=buckets, registry=self.registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(f"{PREFIX}:{name}", doc, [*labels, *extra], registry=self.registry)
@@ -65,6 +70,18 @@ class ServerMetrics:
         self.kv_total_tokens = gauge("kv_total_tokens", "KV cache capacity in tokens.")
         self.kv_usage = gauge("token_usage", "Fraction of KV cache tokens in use (0..1).")
         self.cache_hit_rate = gauge("cache_hit_rate", "Prefix cache hit rate (0..1).")
+        # vLLM's families (same names under our prefix).
+        self.kv_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent (prefix-cached "
+                                   "tokens are evictable and count as free).")
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens per scheduler step (prefill + decode).",
+                                     _STEP_TOKEN_BUCKETS)
+        self.tpot = hist("time_per_output_token_seconds", "Per request: decode time / (output tokens - 1).")
+        self.queue_time = hist("request_queue_time_seconds", "Time a request waited in the scheduler's queue.")
+        self.prefill_time = hist("request_prefill_time_seconds", "Time from a request's admission to its first "
+                                 "token.")
+        self.decode_time = hist("request_decode_time_seconds", "Time from a request's first to its last token.")
+        self.preemptions = counter("num_preemptions", "Requests retracted (preempted) because the KV cache was "
+                                   "full.")
 
     # The label is fixed per server; binding it once keeps call sites short.
     def observe_first_token(self, seconds: float) -> None:
@@ -91,6 +108,25 @@ class ServerMetrics:
         if finish_type == "abort":
             self.aborted.labels(m).inc()
 
+    def observe_request_times(self, timings: dict[str, float] | None, completion_tokens: int) -> None:
+        """A finished request's phases as the scheduler measured them (`TokenOut.timings`)."""
+        if not timings:
+            return
+        m = self.model_name
+        for hist, key in ((self.queue_time, "queue"), (self.prefill_time, "prefill"), (self.decode_time, "decode")):
+            if key in timings:
+                hist.labels(m).observe(timings[key])
+        if "decode" in timings and completion_tokens > 1:
+            self.tpot.labels(m).observe(timings["decode"] / (completion_tokens - 1))
+
+    def observe_steps(self, step_tokens: list[int], preemptions: int) -> None:
+        """Scheduler steps (tokens each ran) and retractions since its last message."""
+        child = self.iteration_tokens.labels(self.model_name)
+        for tokens in step_tokens:
+            child.observe(tokens)
+        if preemptions > 0:
+            self.preemptions.labels(self.model_name).inc(preemptions)
+
     def observe_aborted(self) -> None:
         """A request the API aborted itself (client hang-up), whose final output it no longer waits for."""
         self.requests.labels(self.model_name, "abort").inc()
@@ -113,6 +149,7 @@ class ServerMetrics:
         if isinstance(total, (int, float)) and total > 0 and isinstance(in_use, (int, float)):
             # Prefix-cached tokens are evictable, so only tokens held by requests count as used.
             self.kv_usage.labels(m).set(in_use / total)
+            self.kv_usage_perc.labels(m).set(in_use / total)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -23,6 +23,9 @@ class GenerateReq:
     sampling_params: dict[str, Any]
     stream: bool = False
     sample_index: int = 0
+    # Scoring (SGLang's /v1/score): the logprobs of these token ids at the position after the prompt, reported
+    # in the final TokenOut's `label_logprobs` (with max_new_tokens 0, nothing is generated).
+    label_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -118,11 +121,20 @@ class TokenOut:
     # None for the first (nothing before it to condition on).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # In the final output of a request with label_token_ids: one logprob per label token id.
+    label_logprobs: list[float] | None = None
+    # In the final output: seconds the request spent queued, prefilling (to its first token) and decoding
+    # (first to last token), as the scheduler measured them (vLLM's request_*_time_seconds).
+    timings: dict[str, float] | None = None
 
 
 @dataclass
 class BatchTokenOut:
     outputs: list[TokenOut]
+    # The scheduler's steps since its last message: tokens each step ran (vLLM's iteration_tokens_total),
+    # and how many requests it retracted (preemptions).
+    iteration_tokens: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
 
 
 _TYPES = {cls.__name__: cls for cls in (GenerateReq, AbortReq, FlushCacheReq, FlushCacheOut, ServerInfoReq,
@@ -141,7 +153,7 @@ def decode(raw: bytes) -> Any:
     cls = _TYPES[obj["type"]]
     data = obj["data"]
     if cls is BatchTokenOut:
-        return BatchTokenOut([_token_out(o) for o in data["outputs"]])
+        return BatchTokenOut(**{**data, "outputs": [_token_out(o) for o in data["outputs"]]})
     if cls is TokenOut:
         return _token_out(data)
     return cls(**data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,13 @@ class Req:
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     matcher: Any = None  # llguidance matcher of a constrained request (servelm.constrained), fed every token
+    # Scoring: the logprobs of these ids after the whole sequence, taken in the step that completes it.
+    label_ids: list[int] = field(default_factory=list)
+    label_logprobs: list[float] = field(default_factory=list)
+    # time.monotonic() of arrival, first admission and first token (the final output's `timings`).
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
 
     @property
     def prompt_positions_to_score(self) -> range:
@@ -118,6 +126,7 @@ class Scheduler:
         self.grammars = GrammarFactory(tokenizer, vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
                       "finished": 0, "aborted": 0}
+        self.last_step_tokens = 0  # tokens the last step ran (prefill chunks + decodes)
 
     # ------------------------------------------------------------ requests
     def add_request(self, req: GenerateReq) -> None:
@@ -139,7 +148,7 @@ class Scheduler:
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
         self.waiting.append(Req(req.rid, list(req.input_ids), params, seed, req.sample_index, req.stream, detok,
-                                matcher=matcher))
+                                matcher=matcher, label_ids=list(req.label_token_ids or [])))
         self.stats["prompt_tokens"] += len(req.input_ids)
 
     def abort_request(self, rid: str) -> list[TokenOut]:
@@ -260,11 +269,13 @@ class Scheduler:
             req.cached_tokens = len(slots)
             self.stats["cached_tokens"] += len(slots)
             req.admitted = True
+            req.scheduled_at = time.monotonic()
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[TokenOut]:
         """Schedule, run one forward over the mixed batch, sample, and report progress."""
         plan = self.schedule()
+        self.last_step_tokens = sum(n for _, n in plan)
         if not plan:
             return []
         input_ids: list[int] = []
@@ -291,6 +302,12 @@ class Scheduler:
                 rows.append(SamplingRow(req.params, req.seed, req.sample_index, pos + 1, req.prompt_ids, [],
                                         target=ids[pos + 1]))
                 sampled.append(req)
+            if end == len(ids) and not req.output_ids:  # scoring rows: each label id's logprob after the prompt
+                for label in req.label_ids:
+                    logits_rows.append(len(input_ids) - 1)
+                    rows.append(SamplingRow(req.params, req.seed, req.sample_index, len(ids), req.prompt_ids,
+                                            req.output_ids, target=label))
+                    sampled.append(req)
             if end == len(ids) and req.params.max_new_tokens == 0:
                 prefilled_only.append(req)  # its prompt is in (and scored): nothing to sample
             elif end == len(ids):
@@ -310,6 +327,9 @@ class Scheduler:
         if sampled:
             assert result is not None
             for k, (req, row) in enumerate(zip(sampled, rows)):
+                if row.target is not None and row.position == req.seq_len:
+                    req.label_logprobs.append(result.logprobs[k])
+                    continue
                 if row.target is not None:
                     req.prompt_logprobs.append(result.logprobs[k])
                     req.prompt_top.append(result.top_logprobs[k] or [])
@@ -348,6 +368,7 @@ class Scheduler:
             return
         req.output_ids.append(token)
         req.pending_ids.append(token)
+        req.first_token_at = req.first_token_at or time.monotonic()
         if logprob is not None:
             req.pending_logprobs.append(logprob)
             req.pending_top.append(top or [])
@@ -373,10 +394,25 @@ class Scheduler:
                        finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
                        completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
                        logprobs=req.pending_logprobs, top_logprobs=req.pending_top)
+        if finished:
+            out.label_logprobs = req.label_logprobs if req.label_ids else None
+            out.timings = self._timings(req)
         if req.params.prompt_logprobs and not req.prompt_logprobs_sent:
             out.prompt_logprobs, out.prompt_top_logprobs = [None, *req.prompt_logprobs], [None, *req.prompt_top]
             req.prompt_logprobs_sent = True
         req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
+        return out
+
+    @staticmethod
+    def _timings(req: Req) -> dict[str, float]:
+        """Seconds queued (arrival to first admission), prefilling (to the first token) and decoding (first to
+        last token) of a finished request; a phase it never reached is left out."""
+        now, out = time.monotonic(), {}
+        out["queue"] = (req.scheduled_at or now) - req.arrival
+        if req.scheduled_at is not None:
+            out["prefill"] = (req.first_token_at or now) - req.scheduled_at
+        if req.first_token_at is not None:
+            out["decode"] = now - req.first_token_at
         return out
 
     def _finish(self, req: Req, reason: FinishReason) -> TokenOut:

@@ -52,6 +52,10 @@ SCHEDULER_FACTORY_ENV = "SERVELM_SCHEDULER_FACTORY"
 _PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 250
 STATS_INTERVAL_S = 10.0  # how often a busy server logs its throughput line
+# Step statistics ride on the next output message; without outputs (non-streamed decoding) they go on their
+# own after this many steps or seconds, so /metrics lags a busy scheduler by at most that much.
+STEP_STATS_MAX_STEPS = 256
+STEP_STATS_MAX_AGE_S = 1.0
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -107,6 +111,9 @@ class SchedulerLoop:
         self.stats_interval_s = stats_interval_s
         self._stats_at = time.monotonic()
         self._stats_totals: tuple[int, int] | None = None
+        self._step_tokens: list[int] = []  # tokens of each step not yet reported
+        self._preemptions_sent = 0
+        self._steps_sent_at = time.monotonic()
 
     def log_stats(self, force: bool = False) -> None:
         """Every `stats_interval_s` while requests run, one line as vLLM logs it: prompt and generation
@@ -184,11 +191,25 @@ class SchedulerLoop:
             self._handle(msg)
         if self.scheduler.has_work():
             outputs = self.scheduler.step()
-            if outputs:
-                self.send.send(encode(BatchTokenOut(list(outputs))))
+            self._send_outputs(list(outputs or []))
         self.log_stats()
         if self.governor is not None:
             self.governor.tick()
+
+    def _send_outputs(self, outputs: list[TokenOut]) -> None:
+        """Send a step's outputs with the step statistics gathered so far (or those alone once they are due)."""
+        tokens = getattr(self.scheduler, "last_step_tokens", 0)
+        if tokens:
+            self._step_tokens.append(int(tokens))
+        stats = getattr(self.scheduler, "stats", None)
+        preemptions = int(stats.get("retractions", 0)) - self._preemptions_sent if isinstance(stats, dict) else 0
+        now = time.monotonic()
+        due = len(self._step_tokens) >= STEP_STATS_MAX_STEPS or now - self._steps_sent_at >= STEP_STATS_MAX_AGE_S
+        if not outputs and not (due and (self._step_tokens or preemptions)):
+            return
+        self.send.send(encode(BatchTokenOut(outputs, iteration_tokens=self._step_tokens, num_preemptions=preemptions)))
+        self._step_tokens, self._steps_sent_at = [], now
+        self._preemptions_sent += preemptions
 
     def request_stop(self) -> None:
         """Stop after the current step (safe to call from a signal handler)."""

@@ -205,8 +205,10 @@ class TokenizerManager:
         return text
 
     # ----------------------------------------------------------- requests
-    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool) -> RequestGroup:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool,
+               label_token_ids: list[int] | None = None) -> RequestGroup:
         """Send `len(prompts) * params.n` GenerateReqs; sub-request `p * n + i` samples prompt p with index i.
+        With `label_token_ids`, each final output also has their logprobs after its prompt (scoring).
 
         Raises QueueFullError (nothing is sent) when the server is full, CapacityError when the group
         could never fit, DuplicateRequestIdError when `rid` or one of its sub-request ids (`rid-i`)
@@ -239,7 +241,7 @@ class TokenizerManager:
                 self._public[sub.public_id] = sub
                 self.num_in_flight += 1
                 self._send.send(encode(GenerateReq(rid=sub.rid, input_ids=list(ids), sampling_params=sampling,
-                                                   stream=stream, sample_index=i)))
+                                                   stream=stream, sample_index=i, label_token_ids=label_token_ids)))
         self._public[rid] = group
         if self.server_args.log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, prompt tokens %s, params %s", rid, len(prompts), n,
@@ -310,6 +312,7 @@ class TokenizerManager:
             self._forget(sub)
             self.metrics.observe_finished(out.finish_reason.type, now - sub.created,
                                           out.prompt_tokens, out.cached_tokens)
+            self.metrics.observe_request_times(out.timings, out.completion_tokens)
             if self.server_args.log_requests:
                 logger.info("request %s finished: %s, %d prompt + %d completion tokens (%d cached), %.3fs",
                             sub.public_id, out.finish_reason.to_dict(), out.prompt_tokens, out.completion_tokens,
@@ -342,6 +345,7 @@ class TokenizerManager:
                 logger.exception("dropping undecodable message from the scheduler")
                 continue
             if isinstance(msg, BatchTokenOut):
+                self.metrics.observe_steps(msg.iteration_tokens, msg.num_preemptions)
                 for out in msg.outputs:
                     sub = self._subs.get(out.rid)
                     if sub is not None:  # else: aborted by its client already
