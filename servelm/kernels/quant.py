@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
+
+from servelm.kernels import build
 
 FORMATS = ("q8_0", "q4_0", "q4_1")
 BLOCK = 32
@@ -139,12 +142,31 @@ def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return rows.reshape(*ids.shape, qw.shape[1])
 
 
+_ISA_NAMES = ("scalar", "avx2", "avx512")
+_FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+
+
+@cache
+def _best_isa() -> str:
+    return _ISA_NAMES[torch.ops.servelm_quant.best_isa()] if build.load_quant_ops() else "torch"
+
+
 def kernel_backend() -> str:
-    """The path `linear` takes here: "avx512", "avx2", "scalar" (C++ kernel) or "torch" (no kernel)."""
+    """The path `linear` takes here: "avx512", "avx2", "scalar" (C++ kernel) or "torch" (no kernel).
+
+    `SERVELM_QUANT_KERNEL` forces a slower one (scalar, avx2, torch); a faster one than the CPU has is an error.
+    """
     forced = os.environ.get(FORCE_ENV, "").strip().lower()
     if forced == "torch":
         return "torch"
-    return "torch"
+    best = _best_isa()
+    if not forced or best == "torch":
+        return best
+    if forced not in _ISA_NAMES:
+        raise ValueError(f"{FORCE_ENV}={forced!r}: expected one of torch, {', '.join(_ISA_NAMES)}")
+    if _ISA_NAMES.index(forced) > _ISA_NAMES.index(best):
+        raise ValueError(f"{FORCE_ENV}={forced!r}: this CPU supports at most {best}")
+    return forced
 
 
 def batch_invariant() -> bool:
@@ -156,13 +178,24 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
     Batch-invariant on the C++ kernel: each output element is one fixed-order reduction over K
-    (same lanes, same order, same final horizontal sum) whatever M is, whatever the other rows of x are
-    and however the threads split the work, so row m is bitwise identical for any batch. The torch
-    fallback (`kernel_backend() == "torch"`) does not promise that; see `batch_invariant()`.
+    (same lanes, same order, same final horizontal sum, bias added last) whatever M is, whatever the
+    other rows of x are and however the threads split the work, so row m is bitwise identical for any
+    batch. The torch fallback (`kernel_backend() == "torch"`) does not promise that; see `batch_invariant()`.
     """
-    if x.shape[-1] != qw.shape[1]:
-        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {qw.shape[1]}")
-    return F.linear(x.to(torch.float32), dequantize(qw), bias)
+    n, k = qw.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {k}")
+    backend = kernel_backend()
+    if backend == "torch":
+        return F.linear(x.to(torch.float32), dequantize(qw), bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).to(torch.float32)
+    if k % BLOCK:
+        x2 = F.pad(x2, (0, BLOCK - k % BLOCK))
+    b = bias.to(torch.float32).contiguous() if bias is not None else None
+    y = torch.ops.servelm_quant.linear(x2.contiguous(), qw.qs, qw.d, qw.m, _FMT_CODE[qw.fmt], b,
+                                       _ISA_NAMES.index(backend))
+    return y.reshape(*lead, n)
 
 
 def narrow_rows(qw: QuantWeight, start: int, length: int) -> QuantWeight:

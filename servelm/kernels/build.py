@@ -1,0 +1,93 @@
+"""JIT build of the C++ kernels in `csrc/`: compiled once per (sources, flags, torch, Python, machine) into a
+per-user cache dir, loaded as torch ops (`torch.ops.servelm_quant`).
+
+Processes that build at the same time (TP ranks) serialise on an flock in the cache dir (released by the
+kernel if a builder dies, unlike torch's own `lock` file, which is cleared when found stale under the flock).
+No compiler or a failed build: `load_quant_ops()` returns False after one warning line, and callers use torch.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("quant_ops.cpp", "quant_scalar.cpp", "quant_avx2.cpp", "quant_avx512.cpp")
+CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no fp contraction: dequantised values stay exactly gguf's
+CACHE_ENV = "SERVELM_KERNEL_CACHE"
+
+
+def cache_root() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "servelm" / "kernels"
+
+
+def build_key() -> str:
+    """Hash of everything the built library depends on."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    h.update(repr((CFLAGS, torch.__version__, sys.version_info[:2], platform.machine())).encode())
+    return h.hexdigest()[:16]
+
+
+def _missing_tools() -> str | None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the kernels target x86-64, this machine is {platform.machine()}"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return "ninja is not installed"
+    return None
+
+
+def _build_and_load(name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load
+
+    lib = build_dir / f"{name}.so"
+    with open(build_dir / "servelm.flock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists() and (build_dir / "complete").exists():
+            torch.ops.load_library(str(lib))
+            return
+        (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, stale if a builder died
+        logger.info("Building servelm's quantised-weight kernels (once per machine, ~1 min) in %s", build_dir)
+        t0 = time.monotonic()
+        load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, build_directory=str(build_dir),
+             is_python_module=False, verbose=False)
+        (build_dir / "complete").touch()
+        logger.info("Built servelm's quantised-weight kernels in %.1f s", time.monotonic() - t0)
+
+
+@cache
+def load_quant_ops() -> bool:
+    """Build (first time) and load the kernels; False, after one warning line, when that is not possible."""
+    problem = _missing_tools()
+    if problem is None:
+        key = build_key()
+        build_dir = cache_root() / key
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _build_and_load(f"servelm_quant_{key}", build_dir)
+            return True
+        except Exception as e:  # a broken toolchain must not stop serving: the torch path still works
+            problem = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]})"
+    logger.warning("servelm quantised-weight kernels unavailable, using the slower torch path: %s", problem)
+    return False
