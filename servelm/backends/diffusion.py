@@ -2,19 +2,20 @@
 
 Its detector recognises diffusers model folders from their metadata alone
 (`model_index.json`, the README model card) and never imports a diffusion
-runtime. Serving diffusion models is not implemented yet: `run` says so.
+runtime. `run` serves the folder with the OpenAI Images API (`servelm.diffusion`,
+imported only then); `generate` is `servelm generate` for a diffusers folder.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from servelm.cli.serve import wants_help
+from servelm.cli.serve import CliError, wants_help
 from servelm.cli.serve_backends import (
     SERVE_BACKEND_API_VERSION,
     ServeBackend,
@@ -25,16 +26,14 @@ from servelm.cli.serve_backends import (
 # Hugging Face pipeline tags of generative image/video/audio/3D models.
 _GENERATIVE_TAG_SUFFIXES = ("-to-image", "-to-video", "-to-audio", "-to-3d")
 
-NOT_IMPLEMENTED = "diffusion serving is not implemented yet in servelm"
+INSTALL_HINT = "pip install 'servelm[diffusion]'"
 
-HELP = f"""\
-usage: servelm serve --model-type diffusion [MODEL | --model-path MODEL]
-
-diffusion backend: serves diffusers pipelines (text-to-image, -video, -audio, -3d).
-Note: {NOT_IMPLEMENTED}; selecting it exits with an error.
+DETECTION_HELP = """\
 It is picked by --model-type auto for a local folder whose model_index.json has
 _diffusers_version, or whose README.md model card says `library_name: diffusers`
 or has a pipeline_tag ending in -to-image/-to-video/-to-audio/-to-3d.
+API: POST /v1/images/generations, POST /v1/images/edits, GET /v1/images/{id}/content,
+GET /v1/models, GET /models, /health, /metrics.
 """
 
 
@@ -85,16 +84,58 @@ def detect(request: ServeRequest) -> ServeBackendDetection:
     return ServeBackendDetection.NO_MATCH
 
 
+def require_diffusers() -> None:
+    """One line on how to install the runtime when diffusers is missing (checked without importing it)."""
+    missing = [m for m in ("diffusers", "PIL", "multipart") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(f"The diffusion backend needs diffusers, Pillow and python-multipart "
+                       f"(missing: {', '.join(missing)}): {INSTALL_HINT}")
+
+
+def check_pipeline_folder(model_path: str) -> None:
+    """A one-line error, before anything starts, for a path that cannot be a diffusers pipeline."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        raise CliError(f"{model_path} is not a local folder: the diffusion backend serves a diffusers folder "
+                       "(with model_index.json)")
+    index = _read_json(folder / "model_index.json")
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise CliError(f"{model_path} is not a diffusers pipeline folder: no model_index.json naming its "
+                       "pipeline class (_class_name)")
+
+
 def run(request: ServeRequest) -> None:
-    """Print help, or say that diffusion serving is not implemented and exit 1."""
+    """Print help, or serve the diffusers folder over the OpenAI Images API until stopped."""
+    from servelm.diffusion.config import DiffusionServerArgs, build_parser
+
+    parser = build_parser()
     if wants_help(request.argv):
-        print(HELP, end="")
+        parser.print_help()
+        print("\n" + DETECTION_HELP, end="")
         return
-    print(f"Error: {NOT_IMPLEMENTED} (model: {request.model_path}).", file=sys.stderr)
-    raise SystemExit(1)
+    args = DiffusionServerArgs.from_namespace(parser.parse_args(list(request.argv)))
+    check_pipeline_folder(args.model_path)
+    require_diffusers()
+    # Imported here so that help, detection and the llm path never pull in torch or diffusers.
+    from servelm.diffusion.server import ServerError, launch_server
+
+    try:
+        launch_server(args)
+    except ServerError as exc:  # written for the user: no type name in the Error line
+        raise CliError(str(exc), original=exc) from None
+
+
+def generate(argv: list[str]) -> int:
+    """`servelm generate` for a diffusers folder: write PNGs, print their paths."""
+    from servelm.diffusion.generate import build_parser, generate_images
+
+    ns = build_parser().parse_args(argv)
+    check_pipeline_folder(ns.model_path)
+    require_diffusers()
+    return generate_images(ns)
 
 
 def create_backend() -> ServeBackend:
     """Factory of the built-in `diffusion` backend."""
     return ServeBackend(api_version=SERVE_BACKEND_API_VERSION, run=run, detect=detect,
-                        summary="detects diffusers folders; cannot serve them yet (not implemented)")
+                        summary="diffusers pipelines (text-to-image, image-to-image) over the OpenAI Images API")

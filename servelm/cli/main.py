@@ -19,6 +19,7 @@ from servelm import __version__
 from servelm.cli.serve import (
     CliError,
     StrictArgumentParser,
+    model_path_from_argv,
     normalise_positional_model,
     reap_child_processes,
     registry_call,
@@ -36,7 +37,8 @@ commands:
   serve      start a server: servelm serve [MODEL] [--model-type TYPE] [options]
              (servelm serve --help lists the options)
   generate   one-shot offline generation: servelm generate [--model-path MODEL] --prompt TEXT
-  bench      benchmarks: servelm bench {one-batch,offline,serving,allreduce,deterministic} --help
+             (a diffusers folder: images, servelm generate --model-path DIR --help)
+  bench      benchmarks: servelm bench {one-batch,offline,serving,allreduce,deterministic,images} --help
   backends   list the serve backends, where they come from and whether they load
   version    print the servelm version
 """
@@ -99,16 +101,21 @@ def one_request_kv_tokens(prompt: str, max_new_tokens: int) -> int:
 
 def cmd_generate(argv: list[str]) -> int:
     argv, positional = normalise_positional_model(argv)
+    # The backend first, as `serve --model-type auto` picks it: each parses its own generate options.
+    model_path = model_path_from_argv(argv)
+    registry = registry_call(default_registry)
+    request = ServeRequest(argv=tuple(argv), model_path=model_path, model_path_is_positional=positional)
+    name = registry_call(registry.auto_detect, request)
+    if name == "diffusion":
+        from servelm.backends.diffusion import generate
+
+        return generate(argv)
+    if name != FALLBACK_BACKEND:
+        raise CliError(f"Generate subcommand is not yet supported for model: {model_path}")
     ns = build_generate_parser().parse_args(argv)
     server_args = ServerArgs.from_namespace(ns)
     if server_args.max_total_tokens is None:  # one request: no pool sized for a server's many
         server_args = server_args.replace(max_total_tokens=one_request_kv_tokens(ns.prompt, ns.max_new_tokens))
-    registry = registry_call(default_registry)
-    request = ServeRequest(argv=tuple(argv), model_path=server_args.model_path,
-                           model_path_is_positional=positional)
-    name = registry_call(registry.auto_detect, request)
-    if name != FALLBACK_BACKEND:
-        raise CliError(f"Generate subcommand is not yet supported for model: {server_args.model_path}")
     if server_args.model_path is not None:
         from servelm.backends.llm import check_model_path_or_exit
 

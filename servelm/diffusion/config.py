@@ -1,0 +1,100 @@
+"""`DiffusionServerArgs`: the diffusion server's options, their defaults and their argparse (torch-free)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from servelm.cli.serve import StrictArgumentParser
+from servelm.config import ConfigError
+
+PROG = "servelm serve --model-type diffusion"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_HELP = {
+    "model_path": "A local diffusers folder (with model_index.json).",
+    "host": "Host to bind.",
+    "port": "Port to bind.",
+    "api_key": "Require this bearer token on every API request.",
+    "served_model_name": "Model name reported by the API (defaults to the model path).",
+    "device": "auto (cuda when available, else cpu), cpu, cuda or cuda:N.",
+    "dtype": "auto: float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported).",
+    "max_batch_size": "Most images denoised together in one batch (requests are never split).",
+    "max_queued_requests": "Requests waiting beyond those running; more get 429 with Retry-After.",
+    "batch_wait_ms": "How long an idle scheduler waits for more requests to join a batch.",
+    "max_image_size": "Largest width or height accepted, in pixels.",
+    "max_inference_steps": "Largest num_inference_steps accepted.",
+    "image_store_size": "Edited images kept for GET /v1/images/{id}/content (response_format=url), LRU.",
+    "shutdown_timeout": "On SIGTERM, seconds running requests get to finish (none on Ctrl-C).",
+    "log_level": "Log level.",
+}
+
+
+@dataclass(frozen=True)
+class DiffusionServerArgs:
+    """Every option of the diffusion server; `add_cli_args` makes one flag per field."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_batch_size: int = 4
+    max_queued_requests: int = 32
+    batch_wait_ms: float = 10.0
+    max_image_size: int = 2048
+    max_inference_steps: int = 500
+    image_store_size: int = 64
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
+            (self.max_batch_size >= 1, f"--max-batch-size must be >= 1, got {self.max_batch_size}"),
+            (self.max_queued_requests >= 0, f"--max-queued-requests must be >= 0, got {self.max_queued_requests}"),
+            (self.batch_wait_ms >= 0, f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}"),
+            (self.max_image_size >= 8, f"--max-image-size must be >= 8, got {self.max_image_size}"),
+            (self.max_inference_steps >= 1, f"--max-inference-steps must be >= 1, got {self.max_inference_steps}"),
+            (self.image_store_size >= 1, f"--image-store-size must be >= 1, got {self.image_store_size}"),
+            (self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs: dict = {"help": _HELP[f.name], "dest": f.name}
+            if f.name == "model_path":
+                parser.add_argument(flag, "--model", required=True, **kwargs)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kwargs["help"] += f" (default: {f.default})"
+            if f.name == "dtype":
+                kwargs["choices"] = DTYPES
+            if f.name == "log_level":
+                kwargs["choices"] = ["debug", "info", "warning", "error"]
+            parser.add_argument(flag, type=kind, default=f.default, **kwargs)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> DiffusionServerArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+
+
+def build_parser() -> StrictArgumentParser:
+    parser = StrictArgumentParser(
+        prog=PROG,
+        description="diffusion backend: serve a diffusers pipeline (text-to-image, image-to-image) over the "
+                    "OpenAI Images API (/v1/images/generations, /v1/images/edits).",
+    )
+    DiffusionServerArgs.add_cli_args(parser)
+    return parser
