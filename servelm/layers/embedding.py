@@ -12,31 +12,55 @@ from torch import nn
 
 from servelm.distributed.communicator import tensor_model_parallel_all_reduce
 from servelm.distributed.parallel_state import get_tp_rank, get_tp_size
+from servelm.kernels import quant
+from servelm.kernels.quant import QuantWeight
 
 
 class VocabParallelEmbedding(nn.Module):
+    """This rank's vocab block: an fp32 `weight`, or (quantised checkpoints) one `QuantWeight` whose rows are
+    dequantised on lookup (`weight` is then None). Tied to the LM head, the same copy serves both."""
+
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
         self.padded_vocab = -(-vocab_size // self.tp_size) * self.tp_size
         self.shard_size = self.padded_vocab // self.tp_size
         self.start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(self.shard_size, hidden_size, dtype=dtype),
+                                                        requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.qweight: QuantWeight | None = None
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        end = min(self.start + self.shard_size, self.vocab_size)
-        param.data.zero_()
-        if end > self.start:
-            param.data[: end - self.start].copy_(loaded[self.start:end])
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantWeight,
+                      shard_id: int | None = None) -> None:
+        rows = max(min(self.start + self.shard_size, self.vocab_size) - self.start, 0)
+        if isinstance(loaded, QuantWeight):
+            self._load_quantized(loaded, rows)
+            return
+        param.data[:rows].copy_(loaded[self.start:self.start + rows])
+        param.data[rows:].zero_()  # the padded vocab rows
+
+    def _load_quantized(self, loaded: QuantWeight, rows: int) -> None:
+        part = quant.narrow_rows(loaded, self.start, rows)
+        if rows < self.shard_size:  # the padded vocab rows: zero blocks
+            pad = quant.quantize(torch.zeros(self.shard_size - rows, loaded.shape[1]), loaded.fmt)
+            part = quant.cat_rows([part, pad])
+        self.qweight = part
+        self.register_parameter("weight", None)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant.embedding(ids, self.qweight)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         in_shard = (local >= 0) & (local < self.shard_size)
-        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        out = self._lookup(local.clamp(0, self.shard_size - 1))
         out = out * in_shard.unsqueeze(-1).to(out.dtype)
         return tensor_model_parallel_all_reduce(out)
 

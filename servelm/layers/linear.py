@@ -1,18 +1,26 @@
 """Linear layers that carry their own tensor-parallel sharding rule.
 
 Each parameter has a `weight_loader(param, loaded, shard_id=None)` that
-copies this rank's slice of a full (unsharded) HF checkpoint tensor.
+copies this rank's slice of a full (unsharded) HF checkpoint tensor, or keeps
+this rank's slice of a quantised one (`QuantWeight`; see `PrepackMixin`).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.config import ConfigError
 from servelm.distributed.communicator import tensor_model_parallel_all_reduce
 from servelm.distributed.parallel_state import get_tp_rank, get_tp_size
+from servelm.kernels import quant
+from servelm.kernels.quant import QuantWeight
 from servelm.layers import batch_invariant
+
+logger = logging.getLogger(__name__)
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -34,18 +42,53 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class PrepackMixin:
-    """A linear layer whose forward switches to oneDNN once `prepack()` is called."""
+    """A linear layer that holds one copy of its weight: plain fp32 while loading, then either oneDNN's
+    pre-packed copy (`prepack()`, the plain parameter is freed) or one `QuantWeight` (`finish_loading()`,
+    when every shard of the weight came as quantised blocks).
 
-    weight: torch.nn.Parameter
+    `self.weight` is None once freed; `out_features` / `in_features` say the shape.
+    """
+
+    weight: torch.nn.Parameter | None
+    out_features: int
+    in_features: int
     packed: torch.Tensor | None = None
+    qweight: QuantWeight | None = None
+
+    def _init_shards(self, count: int) -> None:
+        self._num_shards = count
+        self._quant_shards: dict[int, QuantWeight] = {}
 
     def prepack(self) -> bool:
-        if not can_prepack(self.weight):
+        if self.weight is None or not can_prepack(self.weight):
             return False
         self.packed = prepack_weight(self.weight.data)
+        self.register_parameter("weight", None)
         return True
 
+    def finish_loading(self) -> None:
+        """Every weight has arrived: quantised shards of one format become this layer's only weight; a mix of
+        formats (or of blocks and fp32) is dequantised into the fp32 parameter instead."""
+        shards, self._quant_shards = self._quant_shards, {}
+        if not shards:
+            return
+        formats = {qw.fmt for qw in shards.values()}
+        if len(shards) == self._num_shards and len(formats) == 1:
+            parts = [shards[i] for i in sorted(shards)]
+            self.qweight = parts[0] if len(parts) == 1 else quant.cat_rows(parts)
+            self.register_parameter("weight", None)
+            return
+        logger.info("%s: weight shards in %s and fp32 mixed; dequantised to fp32", type(self).__name__,
+                    ", ".join(sorted(formats)))
+        for shard_id, qw in shards.items():
+            self._write_shard(shard_id, quant.dequantize(qw))
+
+    def _write_shard(self, shard_id: int, tensor: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.qweight is not None:
+            return quant_linear(x, self.qweight, bias)
         if batch_invariant._ENABLED:
             return self._invariant_matmul(x, bias)
         if self.packed is not None:
@@ -60,17 +103,38 @@ class PrepackMixin:
         servelm.layers.batch_invariant); so this usually just pads a one-row
         decode input to two rows, or a small batch to twelve on the eager path.
         """
-        return invariant_linear_of(x, self.weight, self.packed, bias)
+        return invariant_linear_of(x, self.weight, self.packed, bias, self.out_features)
 
 
-def invariant_linear_of(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-                        bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias), oneDNN when `packed` is given, with batch-invariant rows."""
+def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) over quantised blocks. The C++ kernel is batch-invariant by construction (a row's
+    result does not depend on the batch); its torch fallback is not, so deterministic mode pads it to a
+    probed row count like any other matmul."""
+    if batch_invariant._ENABLED and not quant.batch_invariant():
+        kind = f"quant-torch{'+bias' if bias is not None else ''}"
+        return batch_invariant.invariant_linear(x, lambda t: quant.linear(t, qw, bias), kind, qw.shape[0])
+    return quant.linear(x, qw, bias)
+
+
+def invariant_linear_of(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+                        bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ weight.T (+ bias), oneDNN when `packed` is given (then `weight` may be None), with batch-invariant
+    rows."""
     # With a bias, aten calls addmm instead of mm: a different kernel, probed separately.
     kind = ("onednn" if packed is not None else "aten") + ("+bias" if bias is not None else "")
     if packed is not None:
-        return batch_invariant.invariant_linear(x, lambda t: packed_linear(t, packed, bias), kind, weight.shape[0])
-    return batch_invariant.invariant_linear(x, lambda t: F.linear(t, weight, bias), kind, weight.shape[0])
+        return batch_invariant.invariant_linear(x, lambda t: packed_linear(t, packed, bias), kind, out_features)
+    return batch_invariant.invariant_linear(x, lambda t: F.linear(t, weight, bias), kind, out_features)
+
+
+def block_aligned_cols(qw: QuantWeight, start: int, length: int, what: str) -> QuantWeight:
+    """This rank's input columns of a row-parallel quantised weight; a clear start-up error when the split
+    cuts a 32-weight block."""
+    if start % quant.BLOCK or length % quant.BLOCK:
+        raise ConfigError(f"--tp-size {get_tp_size()} splits the {qw.shape[1]} inputs of {what} into shards of "
+                          f"{length}, not a multiple of the {quant.BLOCK}-weight {qw.fmt} block; use another "
+                          "--tp-size or --quantization none")
+    return quant.narrow_cols(qw, start, length)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -89,6 +153,8 @@ class ColumnParallelLinear(PrepackMixin, nn.Module):
         # Each logical output (e.g. gate and up) is sharded separately, then
         # the shards are stacked, so rank r holds [gate_r; up_r].
         self.output_sizes = [divide(s, self.tp_size, "linear output size") for s in output_sizes]
+        self.out_features, self.in_features = sum(self.output_sizes), input_size
+        self._init_shards(len(self.output_sizes))
         self.weight = nn.Parameter(torch.empty(sum(self.output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -100,10 +166,23 @@ class ColumnParallelLinear(PrepackMixin, nn.Module):
     def _shard_offset(self, shard_id: int) -> tuple[int, int]:
         return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        offset, size = self._shard_offset(shard_id or 0)
-        start = self.tp_rank * size
-        param.data[offset:offset + size].copy_(loaded.narrow(0, start, size))
+    def _rank_start(self, shard_id: int, size: int) -> int:
+        """First row of this rank's slice of logical output `shard_id` in the full checkpoint tensor."""
+        return self.tp_rank * size
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantWeight,
+                      shard_id: int | None = None) -> None:
+        shard_id = shard_id or 0
+        offset, size = self._shard_offset(shard_id)
+        start = self._rank_start(shard_id, size)
+        if isinstance(loaded, QuantWeight):
+            self._quant_shards[shard_id] = quant.narrow_rows(loaded, start, size)
+        else:
+            param.data[offset:offset + size].copy_(loaded.narrow(0, start, size))
+
+    def _write_shard(self, shard_id: int, tensor: torch.Tensor) -> None:
+        offset, size = self._shard_offset(shard_id)
+        self.weight.data[offset:offset + size].copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
@@ -130,12 +209,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_total, kv_total = self.num_heads * head_dim * tp, self.num_kv_heads * head_dim * tp
         super().__init__(hidden_size, [q_total, kv_total, kv_total], bias=bias, dtype=dtype)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        assert shard_id is not None
-        offset, size = self._shard_offset(shard_id)
+    def _rank_start(self, shard_id: int, size: int) -> int:
         # Replicated KV heads: ranks r*replicas..(r+1)*replicas-1 share head r.
         head_rank = self.tp_rank if shard_id == 0 else self.tp_rank // self.kv_replicas
-        param.data[offset:offset + size].copy_(loaded.narrow(0, head_rank * size, size))
+        return head_rank * size
 
 
 class RowParallelLinear(PrepackMixin, nn.Module):
@@ -146,6 +223,8 @@ class RowParallelLinear(PrepackMixin, nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size = divide(input_size, self.tp_size, "linear input size")
+        self.out_features, self.in_features = output_size, self.input_size
+        self._init_shards(1)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -154,8 +233,18 @@ class RowParallelLinear(PrepackMixin, nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        param.data.copy_(loaded.narrow(1, self.tp_rank * self.input_size, self.input_size))
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantWeight,
+                      shard_id: int | None = None) -> None:
+        start = self.tp_rank * self.input_size
+        if isinstance(loaded, QuantWeight):
+            cols = loaded if self.tp_size == 1 else block_aligned_cols(loaded, start, self.input_size,
+                                                                       "a row-parallel linear (o_proj, down_proj)")
+            self._quant_shards[0] = cols
+        else:
+            param.data.copy_(loaded.narrow(1, start, self.input_size))
+
+    def _write_shard(self, shard_id: int, tensor: torch.Tensor) -> None:
+        self.weight.data.copy_(tensor)
 
     @staticmethod
     def bias_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:

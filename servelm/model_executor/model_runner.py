@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from servelm.managers.schedule_batch import SampleOutput, StepInput
 from servelm.mem_cache.memory_pool import KVCache
 from servelm.model_executor.forward_batch import ForwardBatch
 from servelm.model_loader.default_model import model_path_or_default
+from servelm.model_loader.quantization import resolve_quantization
 from servelm.models.llama import head_dim_of
 from servelm.models.registry import resolve_model_class
 
@@ -102,11 +104,13 @@ class ModelRunner:
             self._init_tp()
         model_cls = resolve_model_class(config.architectures)
         max_positions = server_args.context_length or config.max_position_embeddings
+        self.quant_policy = resolve_quantization(server_args.quantization, source.format, self.dtype, self.device)
         with torch.device(self.device):
             self.model = model_cls(config, self.dtype, max_positions=max_positions)
         self._load_weights(source)
         self.model.eval()
         self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
+        self.weight_bytes = self.model.weight_bytes()
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, server_args.chat_template)
         self.eos_token_ids = eos_token_ids_of(config, self.tokenizer)
         self.vocab_size = config.vocab_size
@@ -124,10 +128,30 @@ class ModelRunner:
         tp_note = f", TP rank {tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
         logger.info("Loaded %s (%s, %s, %s%s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,
                     config.architectures[0], str(self.dtype).removeprefix("torch."),
-                    "oneDNN pre-packed linears" if self.fast_path else "eager linears", tp_note, self.load_seconds,
+                    "oneDNN pre-packed linears" if self.fast_path else
+                    "quantised linears" if self.quant_policy.quantized else "eager linears", tp_note, self.load_seconds,
                     self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30)
+        self._log_weights()
         if self.tp_size > 1 and tp_rank == 0:
             self._start_step_sender()
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many weight matrices of this rank each format holds, e.g. {"q4_1": 210, "q8_0": 1}."""
+        return dict(Counter(fmt for fmt, _ in self.model.weight_matrices()))
+
+    def _log_weights(self) -> None:
+        formats = ", ".join(f"{n} {fmt}" for fmt, n in sorted(self.weight_formats().items()))
+        kernels = ""
+        if self.quant_policy.quantized:
+            from servelm.kernels import quant
+
+            invariant = "batch-invariant" if quant.batch_invariant() else "padded to probed row counts"
+            kernels = f", kernels: {quant.kernel_backend()}" + (
+                f", {invariant} in deterministic mode" if self.server_args.enable_deterministic_inference else "")
+        rank = f" (TP rank {self.tp_rank})" if self.tp_size > 1 else ""
+        logger.info("Loaded %s weights%s: %.1f MB in RAM (--quantization %s: %s matrices%s)",
+                    os.path.basename(self.model_path), rank, self.weight_bytes / 1e6, self.quant_policy.mode,
+                    formats, kernels)
 
     def _init_tp(self) -> None:
         from servelm.distributed.communicator import configure_all_reduce
@@ -168,9 +192,12 @@ class ModelRunner:
         return self.dead_rank_reporter()
 
     def _load_weights(self, source: Any) -> None:
-        weights = tqdm(source.iter_weights(self.dtype), total=source.num_weights, desc="Loading weights",
-                       unit="tensor", leave=False, disable=self.tp_rank != 0)
+        policy = self.quant_policy
+        weights = tqdm(policy.apply(source.iter_weights(self.dtype, keep_formats=policy.keep_formats)),
+                       total=source.num_weights, desc="Loading weights", unit="tensor", leave=False,
+                       disable=self.tp_rank != 0)
         loaded = self.model.load_weights(weights)
+        self.model.finish_loading()
         expected = {n for n, _ in self.model.named_parameters()}
         missing = sorted(expected - loaded)
         if missing:
@@ -273,4 +300,6 @@ class ModelRunner:
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "architecture": self.config.architectures[0],
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
-                "fast_path": self.fast_path, "tp_size": self.tp_size, "load_seconds": round(self.load_seconds, 2)}
+                "fast_path": self.fast_path, "tp_size": self.tp_size, "load_seconds": round(self.load_seconds, 2),
+                "quantization": self.quant_policy.mode, "weight_formats": self.weight_formats(),
+                "weight_bytes": self.weight_bytes}

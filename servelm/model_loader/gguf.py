@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp format): config from metadata, dequantised weights under HF names.
 
 The `gguf` package memory-maps the file; each tensor is dequantised (numpy, float32) only when
-`iter_weights` reaches it, then cast to the requested dtype.
+`iter_weights` reaches it, then cast to the requested dtype; Q8_0/Q4_0/Q4_1 tensors can instead come as
+their raw blocks (`QuantWeight`, see `servelm.model_loader.quantization`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import transformers
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
+from servelm.kernels import quant
+from servelm.kernels.quant import QuantWeight
 from servelm.model_loader.source import (
     ModelSource,
     ModelSourceError,
@@ -199,28 +202,45 @@ class GGUFModelSource(ModelSource):
     # (gguf tensor name, hf name) in file order; tensors we skip are not in it.
     name_map: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)`: dequantised to float32, q/k un-permuted, then cast to `dtype`."""
+    def iter_weights(self, dtype: torch.dtype,
+                     keep_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        """Yield `(hf_name, tensor)`: dequantised to float32, q/k un-permuted, then cast to `dtype`.
+
+        A 2-D tensor whose ggml type is in `keep_formats` (kernel format names: "q8_0", "q4_0", "q4_1")
+        comes as a `QuantWeight` of the file's blocks instead, never through fp32 (q/k rows un-permuted).
+        """
         assert self.reader is not None
         tensors = {t.name: t for t in self.reader.tensors}
-        arch = _scalar(self.reader, "general.architecture")
-        unpermute = arch in _PERMUTED_QK_ARCHS
-        n_head = self.config.num_attention_heads
-        n_kv = self.config.num_key_value_heads
         for gguf_name, hf_name in self.name_map:
             t = tensors[gguf_name]
             # GGUF shapes are in ggml `ne` order (fastest dim first): reversed relative to torch.
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            fmt = t.tensor_type.name.lower()
+            heads = self._permuted_heads(gguf_name)
+            if fmt in keep_formats and len(shape) == 2:
+                qw = quant.from_gguf(t.data, fmt, shape)
+                if heads:
+                    qw = quant.permute_rows(qw, torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
+                yield hf_name, qw
+                continue
             arr = dequantize(t.data, t.tensor_type).reshape(shape)
-            if unpermute and ".attn_q." in gguf_name:
-                arr = unpermute_qk(arr, n_head)
-            elif unpermute and ".attn_k." in gguf_name:
-                arr = unpermute_qk(arr, n_kv)
+            if heads:
+                arr = unpermute_qk(arr, heads)
             if not arr.flags.writeable:
                 # F32 tensors come back as views of the read-only memory map.
                 arr = arr.copy()
             tensor = torch.from_numpy(np.ascontiguousarray(arr))
             yield hf_name, tensor.to(dtype).contiguous()
+
+    def _permuted_heads(self, gguf_name: str) -> int:
+        """The head count whose q/k row permutation llama.cpp applied to this tensor (0: not permuted)."""
+        if _scalar(self.reader, "general.architecture") not in _PERMUTED_QK_ARCHS:
+            return 0
+        if ".attn_q." in gguf_name:
+            return self.config.num_attention_heads
+        if ".attn_k." in gguf_name:
+            return self.config.num_key_value_heads
+        return 0
 
 
 def load_gguf_source(path: str) -> GGUFModelSource:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import transformers
@@ -60,8 +60,12 @@ class ModelSource(ABC):
     num_weights: int
 
     @abstractmethod
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` pairs: contiguous CPU tensors of `dtype`, in file order."""
+    def iter_weights(self, dtype: torch.dtype, keep_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+        """Yield `(hf_name, tensor)` pairs: contiguous CPU tensors of `dtype`, in file order.
+
+        A source that stores quantised blocks yields a 2-D weight whose format is in `keep_formats`
+        as a `servelm.kernels.quant.QuantWeight` instead (GGUF; a HF folder has none).
+        """
 
     @property
     def architecture(self) -> str:

@@ -12,11 +12,13 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from servelm.kernels import quant
+from servelm.kernels.quant import QuantWeight
 from servelm.layers.attention import PagedAttention
 from servelm.layers.batch_invariant import silu_and_mul
 from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from servelm.layers.layernorm import RMSNorm
-from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from servelm.layers.linear import MergedColumnParallelLinear, PrepackMixin, QKVParallelLinear, RowParallelLinear
 from servelm.layers.logits import LogitsProcessor
 from servelm.layers.rotary import RotaryEmbedding
 from servelm.model_executor.forward_batch import ForwardBatch
@@ -146,7 +148,37 @@ class LlamaForCausalLM(nn.Module):
                     and m.prepack())
         return count + int(self.logits_processor.prepack(self.lm_head))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def finish_loading(self) -> None:
+        """After the last weight: layers whose shards all came quantised keep them as their one weight."""
+        for m in self.modules():
+            if isinstance(m, PrepackMixin):
+                m.finish_loading()
+
+    def weight_matrices(self) -> list[tuple[str, int]]:
+        """(format, resident bytes) of each weight matrix this rank holds: "q4_1"..., or the fp32 dtype name
+        ("float32", packed by oneDNN or plain; a tied fp32 embedding counts its packed LM-head copy too)."""
+        out = []
+        for m in self.modules():
+            if m is self.logits_processor:
+                continue
+            qweight = getattr(m, "qweight", None)
+            if qweight is not None:
+                out.append((qweight.fmt, qweight.nbytes))
+            elif isinstance(m, (PrepackMixin, VocabParallelEmbedding)):
+                weight, packed = m.weight, getattr(m, "packed", None)
+                if m is self.lm_head:
+                    packed = self.logits_processor.packed
+                tensors = [t for t in (weight, packed) if t is not None]
+                out.append((str(tensors[0].dtype).removeprefix("torch."),
+                            sum(t.numel() * t.element_size() for t in tensors)))
+        return out
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of every weight this rank holds (matrices in any format, norms, biases)."""
+        small = sum(p.numel() * p.element_size() for p in self.parameters() if p.dim() == 1)
+        return small + sum(b for _, b in self.weight_matrices())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> set[str]:
         """Copy HF-named tensors into this rank's shards; returns the names of parameters loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
@@ -165,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                param.data.copy_(tensor)
+                param.data.copy_(quant.dequantize(tensor) if isinstance(tensor, QuantWeight) else tensor)
             else:
                 loader(param, tensor, shard_id)
             loaded.add(name)

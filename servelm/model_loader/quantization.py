@@ -1,0 +1,73 @@
+"""`--quantization`: which weights stay (or become) ggml blocks (`servelm.kernels.quant`), which are fp32.
+
+* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1) as it is in the file,
+  without an fp32 round trip; other types (F16, Q4_K, Q6_K, ...) are dequantised to fp32 as with `none`.
+  A HF folder stays fp32.
+* none: everything dequantised to fp32 (the behaviour before quantised kernels).
+* int8, q8_0, q4_0, q4_1: every 2-D weight (the linears, the embedding, the LM head) becomes blocks of that
+  format at load; a GGUF tensor already in it is kept as it is, any other is dequantised, then quantised.
+  int8 is q8_0: weight-only int8 in groups of 32 with an fp16 scale each.
+
+Quantised weights compute in fp32 activations, so they need `--dtype float32` on the CPU; `auto` falls back
+to `none` elsewhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from servelm.config import ConfigError
+from servelm.kernels import quant
+
+logger = logging.getLogger(__name__)
+
+_TARGET = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
+
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    """What the loader does with each weight under one `--quantization` mode."""
+
+    mode: str
+    # GGUF types (kernel format names) kept as blocks straight from the file.
+    keep_formats: frozenset[str]
+    # Format every other 2-D weight is quantised to at load; None: it stays fp32.
+    target: str | None = None
+
+    def apply(self, weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        """Quantise the 2-D fp32/bf16 tensors of `weights` to `target` (the rest passes through)."""
+        for name, tensor in weights:
+            if self.target is not None and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
+                tensor = quant.quantize(tensor, self.target)
+            yield name, tensor
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.keep_formats) or self.target is not None
+
+
+NONE = QuantPolicy("none", frozenset())
+
+
+def resolve_quantization(mode: str, source_format: str, dtype: torch.dtype, device: torch.device) -> QuantPolicy:
+    """The policy of `--quantization mode` for a model of `source_format` ("gguf" or "hf")."""
+    supported = device.type == "cpu" and dtype == torch.float32
+    if mode == "none":
+        return NONE
+    if mode == "auto":
+        if source_format != "gguf":
+            return QuantPolicy("auto", frozenset())
+        if not supported:
+            logger.info("--quantization auto: GGUF weights dequantised (quantised kernels need --dtype float32 "
+                        "on the CPU)")
+            return QuantPolicy("auto", frozenset())
+        return QuantPolicy("auto", frozenset(quant.FORMATS))
+    if not supported:
+        raise ConfigError(f"--quantization {mode} needs float32 compute on the CPU (got dtype "
+                          f"{str(dtype).removeprefix('torch.')} on {device.type}); use --quantization none")
+    target = _TARGET[mode]
+    return QuantPolicy(mode, frozenset({target}), target)
