@@ -21,14 +21,16 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
 from servelm import __version__
 from servelm.config import ServerArgs
 from servelm.entrypoints.chat_page import is_open_path, mount_chat_page
-from servelm.entrypoints.http_common import ApiError, GuardMiddleware, health_response, install_error_handlers
+from servelm.entrypoints.http_common import ApiError, GuardMiddleware, bad, health_response, install_error_handlers
 from servelm.entrypoints.openai_protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -39,9 +41,12 @@ from servelm.entrypoints.openai_protocol import (
     ModelList,
     TokenizeRequest,
 )
+from servelm.entrypoints.responses_protocol import ResponseObject, ResponsesRequest
 from servelm.entrypoints.serving_chat import ServingChat
 from servelm.entrypoints.serving_completions import ServingCompletions
 from servelm.entrypoints.serving_native import ServingNative
+from servelm.entrypoints.serving_responses import ServingResponses
+from servelm.entrypoints.serving_score import ScoreRequest, ScoreResponse, ServingScore
 from servelm.managers.tokenizer_manager import SchedulerUnavailableError, TokenizerManager
 from servelm.metrics import ServerMetrics
 
@@ -101,13 +106,15 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     manager = state.manager
     app = FastAPI(title="servelm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, state=state, is_open=is_open_path)
+    # /ping is SageMaker's /health: open to probes, like /health.
+    app.add_middleware(GuardMiddleware, state=state, is_open=lambda path: path == "/ping" or is_open_path(path))
     chat, completions, native = ServingChat(state), ServingCompletions(state), ServingNative(state)
+    responses, scoring = ServingResponses(state), ServingScore(state)
 
     # ---------------------------------------------------- OpenAI API
     def model_card() -> ModelCard:
-        return ModelCard(id=state.model_name, root=state.server_args.model_path or manager.model_info.get("model_path"),
-                         max_model_len=manager.context_length or None)
+        # root names the model, never the server's file path; max_model_len is --context-length when given.
+        return ModelCard(id=state.model_name, root=state.model_name, max_model_len=native.max_model_len or None)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -128,7 +135,42 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     async def create_completions(req: CompletionRequest, request: Request) -> Any:
         return await completions.create(req, request)
 
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request) -> Any:
+        return await responses.create(req, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> ResponseObject:
+        return await responses.retrieve(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> ResponseObject:
+        return await responses.cancel(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return await responses.delete(response_id)
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Any:
+        """SageMaker's inference route: chat when the body has messages, completions when it has a prompt."""
+        return await invoke(await request.json(), request)
+
+    async def invoke(body: Any, request: Request) -> Any:
+        if not isinstance(body, dict) or not ({"messages", "prompt"} & set(body)):
+            raise bad("/invocations needs a JSON object with messages (chat) or prompt (completions)", "body")
+        kind, serve = ((ChatCompletionRequest, chat) if "messages" in body else (CompletionRequest, completions))
+        try:
+            req = kind.model_validate(body)
+        except pydantic.ValidationError as exc:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+        return await serve.create(req, request)
+
     # ---------------------------------------------------- native API
+    @app.post("/v1/score")
+    async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
+        return await scoring.score(req, request)
+
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Any:
         return await native.generate(req, request)
@@ -148,6 +190,15 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     async def health() -> Response:
         return health_response(state)
 
+    @app.get("/ping")
+    async def ping() -> Response:
+        return health_response(state)
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's /load: requests in flight (running or waiting in the scheduler)."""
+        return {"server_load": manager.num_in_flight}
+
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         return await native.health_generate(request)
@@ -164,7 +215,9 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def server_info() -> dict[str, Any]:
-        return await native.server_info()
+        info = await native.server_info()
+        # SGLang's name for the KV capacity in tokens.
+        return {**info, "max_total_num_tokens": info.get("kv_total_tokens")}
 
     @app.post("/flush_cache")
     async def flush_cache() -> Any:

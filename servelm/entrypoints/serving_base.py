@@ -11,19 +11,77 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from servelm.constrained import choice_regex
 from servelm.entrypoints.http_common import ApiError, bad
 from servelm.entrypoints.openai_protocol import ResponseFormat
-from servelm.entrypoints.streaming import ClientGone, collect, error_of
+from servelm.entrypoints.streaming import Accumulated, ClientGone, collect, error_of
 from servelm.managers.tokenizer_manager import (
     CapacityError,
     DuplicateRequestIdError,
     QueueFullError,
     RequestGroup,
 )
-from servelm.sampling_params import SamplingParams, SamplingParamsError, context_length_error, token_ids_error
+from servelm.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    context_length_error,
+    token_ids_error,
+    top_logprobs_error,
+)
 
 if TYPE_CHECKING:
     from servelm.entrypoints.http_server import ServerState
+
+
+def schema_text(schema: str | dict[str, Any] | None) -> str | None:
+    """A JSON schema as the JSON text SamplingParams carries (SGLang sends text, vLLM an object)."""
+    return schema if schema is None or isinstance(schema, str) else json.dumps(schema)
+
+
+def constraints_of(req: Any) -> list[tuple[str, str, str]]:
+    """(SamplingParams field, value, request field) of every constraint a chat or completions request asks
+    for, in any of OpenAI's, SGLang's and vLLM's spellings; more than one is the caller's 400."""
+    so = req.structured_outputs
+    for name, choices in (("guided_choice", req.guided_choice), ("structured_outputs.choice", so and so.choice)):
+        if choices is not None and not choices:
+            raise bad(f"{name} must be a non-empty list of strings", name.split(".")[0])
+    candidates = [
+        ("json_schema", json_schema_of(req.response_format), "response_format"),
+        ("json_schema", schema_text(req.json_schema), "json_schema"),
+        ("json_schema", schema_text(req.guided_json), "guided_json"),
+        ("regex", req.regex, "regex"),
+        ("regex", req.guided_regex, "guided_regex"),
+        ("regex", choice_regex(req.guided_choice) if req.guided_choice else None, "guided_choice"),
+        ("ebnf", req.ebnf, "ebnf"),
+        ("ebnf", req.guided_grammar, "guided_grammar"),
+    ]
+    if so is not None:
+        candidates += [
+            ("json_schema", schema_text(so.json_), "structured_outputs.json"),
+            ("json_schema", '{"type": "object"}' if so.json_object else None, "structured_outputs.json_object"),
+            ("regex", so.regex, "structured_outputs.regex"),
+            ("regex", choice_regex(so.choice) if so.choice else None, "structured_outputs.choice"),
+            ("ebnf", so.grammar, "structured_outputs.grammar"),
+        ]
+    return [c for c in candidates if c[1] is not None]
+
+
+def check_request_options(req: Any) -> None:
+    """400s for option combinations that cannot be served: stream_options without stream, beam search,
+    prompt_logprobs out of range or streamed, truncate_prompt_tokens out of range."""
+    if req.stream_options is not None and not req.stream:
+        raise bad("stream_options can only be given when stream is true", "stream_options")
+    if req.use_beam_search:
+        raise bad("use_beam_search: beam search is not supported by servelm", "use_beam_search")
+    if req.prompt_logprobs is not None:
+        error = top_logprobs_error(req.prompt_logprobs, "prompt_logprobs")
+        if error:
+            raise bad(error, "prompt_logprobs")
+        if req.stream:
+            raise bad("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1 and req.truncate_prompt_tokens != -1:
+        raise bad(f"truncate_prompt_tokens must be at least 1 (or -1: the context length), got "
+                  f"{req.truncate_prompt_tokens}", "truncate_prompt_tokens")
 
 
 def json_schema_of(fmt: ResponseFormat | None) -> str | None:
@@ -45,6 +103,12 @@ class OpenAIServing:
         self.state = state
         self.manager = state.manager
 
+    @property
+    def max_model_len(self) -> int:
+        """The context length the API reports: --context-length when given (as SGLang and vLLM report it; a
+        request must also fit the KV pool), else the scheduler's limit."""
+        return self.state.server_args.context_length or self.manager.context_length
+
     def check_model(self, name: str | None) -> None:
         if name and name != self.state.model_name:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves `{self.state.model_name}`.",
@@ -54,6 +118,35 @@ class OpenAIServing:
         error = token_ids_error(ids, self.manager.vocab_size, param)
         if error:
             raise bad(error, param)
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` tokens of a prompt (-1: the context length)."""
+        if keep is None:
+            return ids
+        keep = self.manager.context_length if keep == -1 else keep
+        return ids[-keep:] if keep else ids
+
+    def token_str(self, token_id: int, as_ids: bool = False) -> str:
+        """A token as logprobs show it: its text, or vLLM's `token_id:N` (return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if as_ids else self.manager.token_text(token_id)
+
+    def vllm_prompt_logprobs(self, prompt: list[int], acc: Accumulated, k: int,
+                             as_ids: bool = False) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: None for the first token, then per token {token id: {logprob, rank,
+        decoded_token}} of the token itself and its k most likely alternatives. The rank of a token is known
+        when it is among those alternatives (else null)."""
+        result: list[dict[str, Any] | None] = [None]
+        lps, tops = acc.prompt_logprobs or [], acc.prompt_top_logprobs or []
+        for pos in range(1, len(prompt)):
+            alternatives = (tops[pos] if pos < len(tops) and tops[pos] else [])[:k]
+            ranks = {t: r for r, (t, _) in enumerate(alternatives, 1)}
+            entry = {str(prompt[pos]): {"logprob": lps[pos] if pos < len(lps) else None,
+                                        "rank": ranks.get(prompt[pos]),
+                                        "decoded_token": self.token_str(prompt[pos], as_ids)}}
+            for t, lp in alternatives:
+                entry.setdefault(str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": self.token_str(t, as_ids)})
+            result.append(entry)
+        return result
 
     def check_context(self, prompt_len: int, max_new_tokens: int | None, prompt_param: str,
                       limit_param: str) -> None:
@@ -67,7 +160,9 @@ class OpenAIServing:
     def sampling_params(self, req: Any, max_tokens: int | None, max_tokens_param: str, prompt_lens: list[int],
                         prompt_param: str, logprobs: bool, top_logprobs: int,
                         json_schema: str | None = None, schema_param: str = "response_format") -> SamplingParams:
-        """SamplingParams of an OpenAI request; `json_schema` (from `schema_param`) overrides response_format."""
+        """SamplingParams of an OpenAI request; `json_schema` (from `schema_param`, e.g. a tool call's) is one
+        more constraint besides the request's own (at most one in all)."""
+        check_request_options(req)
         ctx = self.manager.context_length
         longest = max(prompt_lens)
         self.check_context(longest, None, prompt_param, max_tokens_param)
@@ -83,19 +178,31 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
-        kw["json_schema"] = json_schema if json_schema is not None else json_schema_of(req.response_format)
+        found = constraints_of(req) + ([("json_schema", json_schema, schema_param)] if json_schema is not None else [])
+        if len(found) > 1:
+            names = ", ".join(name for _, _, name in found)
+            raise bad(f"give at most one constraint; got {names}", found[1][2].split(".")[0])
+        fields = {"max_tokens": max_tokens_param}
+        for kind, value, name in found:
+            kw[kind], fields[kind] = value, name
+        so = req.structured_outputs
+        kw["whitespace_pattern"] = (so and so.whitespace_pattern) or req.guided_whitespace_pattern
+        kw["stop_regex"] = req.stop_regex or []
+        if req.prompt_logprobs is not None:
+            kw["prompt_logprobs"], kw["prompt_top_logprobs"] = True, req.prompt_logprobs
         params = SamplingParams(**kw)
         try:
             params.validate(self.manager.vocab_size)
         except SamplingParamsError as exc:
-            param = {"max_tokens": max_tokens_param, "json_schema": schema_param}.get(exc.param, exc.param)
-            raise bad(str(exc).replace(exc.param, param, 1), param) from None
+            param = fields.get(exc.param, exc.param)
+            raise bad(str(exc).replace(exc.param, param, 1), param.split(".")[0]) from None
         self.check_context(longest, params.max_new_tokens, prompt_param, max_tokens_param)
         return params
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool) -> RequestGroup:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool,
+               label_token_ids: list[int] | None = None) -> RequestGroup:
         try:
-            return self.manager.submit(prompts, params, rid, stream)
+            return self.manager.submit(prompts, params, rid, stream, label_token_ids)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None

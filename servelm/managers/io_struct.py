@@ -179,8 +179,11 @@ class OutputAccumulator:
     cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    label_logprobs: list[float] | None = None
 
     def add(self, out: TokenOut) -> None:
+        if out.label_logprobs is not None:
+            self.label_logprobs = out.label_logprobs
         if out.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
         self.text.append(out.text)

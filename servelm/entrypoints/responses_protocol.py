@@ -1,0 +1,118 @@
+"""Pydantic models of OpenAI's Responses API (`/v1/responses`): text in, text out.
+
+Requests reuse `openai_protocol`'s base classes (unknown top-level fields are a 400); responses follow the
+shapes of the `openai` package's `types.responses` (Response, ResponseOutputMessage, the streaming events).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import Field
+
+from servelm.entrypoints.openai_protocol import JsonSchemaFormat, _Request, _Response, _TopRequest, random_id
+
+
+class InputText(_Request):
+    """One content part of an input message (`input_text`; an earlier turn's `output_text`)."""
+
+    type: Literal["input_text", "output_text", "text"] = "input_text"
+    text: str
+
+
+class InputMessage(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class TextFormat(JsonSchemaFormat):
+    """`text.format`: free text, any JSON object, or JSON following `schema` (constrained decoding)."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class TextConfig(_Request):
+    format: TextFormat = Field(default_factory=TextFormat)
+
+
+class ResponsesRequest(_TopRequest):
+    model: str | None = None
+    input: str | list[InputMessage]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextConfig | None = None
+    store: bool = True
+    stream: bool = False
+    background: bool = False
+    previous_response_id: str | None = None
+    # Tools are not served on this endpoint: only an empty list (or none) is accepted.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+    # OpenAI fields that change nothing a local server does: accepted and kept.
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+
+
+class OutputText(_Response):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(_Response):
+    id: str = Field(default_factory=lambda: random_id("msg").replace("-", "_"))
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class ResponseUsage(_Response):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
+    total_tokens: int
+
+
+Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
+
+
+class ResponseObject(_Response):
+    """OpenAI's `Response`."""
+
+    id: str = Field(default_factory=lambda: random_id("resp").replace("-", "_"))
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: Status = "in_progress"
+    model: str
+    output: list[OutputMessage] = Field(default_factory=list)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    parallel_tool_calls: bool = False
+    tool_choice: str = "none"
+    tools: list[Any] = Field(default_factory=list)
+    usage: ResponseUsage | None = None
+    incomplete_details: dict[str, str] | None = None
+    error: dict[str, str] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("completed", "incomplete", "cancelled", "failed")

@@ -1,0 +1,269 @@
+"""OpenAI's Responses API: POST /v1/responses (create, streamed or not, or in the background),
+GET /v1/responses/{id}, POST /v1/responses/{id}/cancel, DELETE /v1/responses/{id}.
+
+Text in (a string or input messages, with `instructions` as the system message and the conversation of
+`previous_response_id` before it), text out; `text.format` json_schema / json_object is enforced by the
+same constrained decoding as chat's response_format. Stored responses (`store`, the default) live in a
+bounded in-memory LRU store: the oldest are forgotten first, and nothing survives a restart. A response's
+id is also its request id, so cancelling an in-flight one aborts it in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from servelm.entrypoints.http_common import ApiError, bad
+from servelm.entrypoints.responses_protocol import (
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from servelm.entrypoints.serving_base import OpenAIServing
+from servelm.entrypoints.streaming import Accumulated, stream_events
+from servelm.managers.tokenizer_manager import RequestGroup
+from servelm.sampling_params import SamplingParams, SamplingParamsError
+
+STORE_SIZE = 1000  # stored responses kept (least recently used forgotten first)
+
+
+@dataclass
+class Stored:
+    response: ResponseObject
+    messages: list[dict[str, str]]  # the conversation without instructions: input, then the output once done
+    task: asyncio.Task | None = field(default=None, repr=False)  # a background response's collector
+
+
+class ResponseStore:
+    """Responses by id, at most `size`, least recently used evicted first."""
+
+    def __init__(self, size: int = STORE_SIZE) -> None:
+        self.size = size
+        self._items: collections.OrderedDict[str, Stored] = collections.OrderedDict()
+
+    def put(self, entry: Stored) -> None:
+        self._items[entry.response.id] = entry
+        self._items.move_to_end(entry.response.id)
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> Stored:
+        entry = self._items.get(response_id)
+        if entry is None:
+            raise ApiError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        self._items.move_to_end(response_id)
+        return entry
+
+    def pop(self, response_id: str) -> Stored:
+        entry = self.get(response_id)
+        del self._items[response_id]
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def text_format_schema(req: ResponsesRequest) -> str | None:
+    """The JSON schema (a string) that `text.format` asks the output to follow, if any."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.schema_ is None:
+        raise bad("text.format: type json_schema needs a schema", "text.format.schema")
+    return json.dumps(fmt.schema_)
+
+
+def finish(entry: Stored, acc: Accumulated) -> None:
+    """Fill the entry's response from a finished request's outputs."""
+    resp, reason = entry.response, acc.finish_reason
+    text = acc.full_text
+    if resp.status != "cancelled":
+        if reason is not None and reason.is_failure:
+            resp.status, resp.error = "failed", {"code": "server_error", "message": str(reason.message)}
+        elif reason is not None and reason.type == "abort":
+            resp.status = "cancelled"
+        elif reason is not None and reason.type == "length":
+            resp.status, resp.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
+        else:
+            resp.status = "completed"
+    resp.output = [OutputMessage(id=resp.output[0].id if resp.output else OutputMessage().id,
+                                 status="completed" if resp.status == "completed" else "incomplete",
+                                 content=[OutputText(text=text)])]
+    resp.usage = ResponseUsage(input_tokens=acc.prompt_tokens,
+                               input_tokens_details={"cached_tokens": acc.cached_tokens},
+                               output_tokens=acc.completion_tokens,
+                               total_tokens=acc.prompt_tokens + acc.completion_tokens)
+    entry.messages.append({"role": "assistant", "content": text})
+
+
+class ServingResponses(OpenAIServing):
+    """The /v1/responses endpoints over one in-memory store."""
+
+    def __init__(self, state: Any, store_size: int = STORE_SIZE) -> None:
+        super().__init__(state)
+        self.store = ResponseStore(store_size)
+
+    # ---------------------------------------------------------------- create
+    def conversation(self, req: ResponsesRequest) -> list[dict[str, str]]:
+        """The messages before the output: the previous response's conversation, then this input."""
+        history: list[dict[str, str]] = []
+        if req.previous_response_id is not None:
+            try:
+                history = list(self.store.get(req.previous_response_id).messages)
+            except ApiError as exc:
+                raise ApiError(404, exc.message, param="previous_response_id", code="response_not_found") from None
+        if isinstance(req.input, str):
+            return [*history, {"role": "user", "content": req.input}]
+        if not req.input:
+            raise bad("input must be a non-empty string or list of messages", "input")
+        roles = {"developer": "system"}
+        return [*history, *({"role": roles.get(m.role, m.role), "content": m.text()} for m in req.input)]
+
+    def sampling(self, req: ResponsesRequest, prompt_len: int) -> SamplingParams:
+        self.check_context(prompt_len, None, "input", "max_output_tokens")
+        if req.max_output_tokens is not None and req.max_output_tokens < 1:
+            raise bad(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
+        kw: dict[str, Any] = {"max_new_tokens": req.max_output_tokens or self.manager.context_length - prompt_len,
+                              "json_schema": text_format_schema(req)}
+        for name in ("temperature", "top_p"):
+            if getattr(req, name) is not None:
+                kw[name] = getattr(req, name)
+        params = SamplingParams(**kw)
+        try:
+            params.validate(self.manager.vocab_size)
+        except SamplingParamsError as exc:
+            param = {"max_tokens": "max_output_tokens", "json_schema": "text.format.schema"}.get(exc.param, exc.param)
+            raise bad(str(exc).replace(exc.param, param, 1), param) from None
+        self.check_context(prompt_len, params.max_new_tokens, "input", "max_output_tokens")
+        return params
+
+    def check_request(self, req: ResponsesRequest) -> None:
+        self.check_model(req.model)
+        if req.tools:
+            raise bad("tools are not supported on /v1/responses (use /v1/chat/completions)", "tools")
+        if req.background and not req.store:
+            raise bad("a background response must be stored: background requires store to be true", "background")
+        if req.background and req.stream:
+            raise bad("background responses cannot be streamed here: poll GET /v1/responses/{id}", "stream")
+
+    async def create(self, req: ResponsesRequest, request: Request) -> Any:
+        self.check_request(req)
+        messages = self.conversation(req)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        try:
+            ids = self.manager.chat_prompt_ids(system + messages)
+        except Exception as exc:
+            raise bad(f"input could not be rendered with the chat template: {exc}", "input") from None
+        params = self.sampling(req, len(ids))
+        resp = ResponseObject(model=self.state.model_name, status="queued" if req.background else "in_progress",
+                              instructions=req.instructions, max_output_tokens=req.max_output_tokens,
+                              temperature=req.temperature, top_p=req.top_p, store=req.store,
+                              background=req.background, previous_response_id=req.previous_response_id,
+                              metadata=req.metadata, user=req.user, parallel_tool_calls=bool(req.parallel_tool_calls),
+                              text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
+                              if req.text is not None else {"format": {"type": "text"}})
+        entry = Stored(resp, messages)
+        group = self.submit([ids], params, resp.id, req.stream)
+        if req.store:
+            self.store.put(entry)
+        if req.background:
+            entry.task = asyncio.ensure_future(self._collect_in_background(group, entry))
+            return resp
+        if req.stream:
+            return await self.run_or_stream(group, request, self._stream(group, entry))
+        try:
+            result = await self.run_or_stream(group, request, None)
+        except ApiError as exc:
+            resp.status, resp.error = "failed", {"code": "server_error", "message": exc.message}
+            raise
+        if not isinstance(result, list):  # the client hung up: its request was aborted
+            resp.status = "cancelled"
+            return result
+        finish(entry, result[0])
+        return resp
+
+    async def _collect_in_background(self, group: RequestGroup, entry: Stored) -> None:
+        acc = Accumulated()
+        entry.response.status = "in_progress" if entry.response.status == "queued" else entry.response.status
+        async for _, out in group.outputs():
+            acc.add(out)
+        finish(entry, acc)
+
+    def _stream(self, group: RequestGroup, entry: Stored) -> AsyncIterator[str]:
+        """The Responses streaming events: created, in_progress, the message and its text part added, text
+        deltas, then text/part/item done and the final response.completed (or .incomplete / .failed)."""
+        resp, seq = entry.response, itertools.count()
+        msg = OutputMessage()
+        resp.output = [msg]
+
+        def event(kind: str, **fields: Any) -> str:
+            data = {"type": kind, "sequence_number": next(seq), **fields}
+            return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+        def where() -> dict[str, Any]:
+            return {"item_id": msg.id, "output_index": 0, "content_index": 0}
+
+        def render(index: int, out: Any, acc: Accumulated) -> Iterator[str]:
+            if out.text:
+                yield event("response.output_text.delta", delta=out.text, logprobs=[], **where())
+            if out.finish_reason is None:
+                return
+            finish(entry, acc)
+            item = resp.output[0]
+            part = item.content[0].model_dump()
+            yield event("response.output_text.done", text=acc.full_text, logprobs=[], **where())
+            yield event("response.content_part.done", part=part, **where())
+            yield event("response.output_item.done", output_index=0, item=item.model_dump())
+            final = {"completed": "response.completed", "failed": "response.failed"}.get(resp.status,
+                                                                                       "response.incomplete")
+            yield event(final, response=resp.model_dump())
+
+        async def events() -> AsyncIterator[str]:
+            yield event("response.created", response=resp.model_dump())
+            yield event("response.in_progress", response=resp.model_dump())
+            yield event("response.output_item.added", output_index=0, item=msg.model_dump())
+            yield event("response.content_part.added", part=OutputText(text="").model_dump(), **where())
+            try:
+                async for chunk in stream_events(group, render):
+                    yield chunk
+            except GeneratorExit:  # the client hung up: its request was aborted
+                if not resp.finished:
+                    resp.status = "cancelled"
+                raise
+            finally:
+                if not resp.finished:  # an error event was sent instead of the end
+                    resp.status = "failed"
+
+        return events()
+
+    # ---------------------------------------------------------- the others
+    async def retrieve(self, response_id: str) -> ResponseObject:
+        return self.store.get(response_id).response
+
+    async def cancel(self, response_id: str) -> ResponseObject:
+        """Cancel a response still queued or in progress (a finished one is a 400)."""
+        entry = self.store.get(response_id)
+        resp = entry.response
+        if resp.finished:
+            raise bad(f"Cannot cancel response '{response_id}': it is already {resp.status}.", "response_id")
+        self.manager.abort_request(response_id)
+        resp.status = "cancelled"
+        return resp
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        entry = self.store.pop(response_id)
+        if not entry.response.finished:
+            self.manager.abort_request(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -1,0 +1,99 @@
+"""SGLang's `/v1/score`: how likely each label token is to come next after `query` + each of `items`.
+
+Each item becomes one prompt (`query + item`, or `item + query` with `item_first`; text is concatenated
+before tokenizing, token ids as lists), run as a prefill-only request whose final output carries the raw
+logprobs of `label_token_ids` at the position after the prompt (the scheduler's scoring rows). As SGLang:
+`scores[i][j]` is the probability of label j after item i, `exp(logprob)`, or with `apply_softmax` the
+softmax over the label tokens' logprobs (the labels' probabilities renormalised to sum to 1).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any
+
+from fastapi import Request
+from pydantic import Field
+
+from servelm.entrypoints.http_common import bad
+from servelm.entrypoints.openai_protocol import UsageInfo, _Response, _TopRequest
+from servelm.entrypoints.serving_base import OpenAIServing
+from servelm.sampling_params import SamplingParams
+
+
+class ScoreRequest(_TopRequest):
+    """SGLang's ScoringRequest: text query and items, or token-id query and items."""
+
+    model: str | None = None
+    query: str | list[int]
+    items: str | list[str] | list[list[int]]
+    label_token_ids: list[int] = Field(min_length=1)
+    apply_softmax: bool = False
+    item_first: bool = False
+
+
+class ScoreResponse(_Response):
+    scores: list[list[float]]
+    model: str
+    usage: UsageInfo
+    object: str = "scoring"
+
+
+def label_scores(logprobs: list[float], apply_softmax: bool) -> list[float]:
+    """Probabilities of the labels: exp of each logprob, or their softmax (SGLang's two modes)."""
+    if not apply_softmax:
+        return [math.exp(lp) for lp in logprobs]
+    top = max(logprobs)
+    weights = [math.exp(lp - top) for lp in logprobs]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+class ServingScore(OpenAIServing):
+    """POST /v1/score."""
+
+    def prompts(self, req: ScoreRequest) -> list[list[int]]:
+        """The token ids of each item's prompt (query and item in the requested order)."""
+        items = [req.items] if isinstance(req.items, str) else list(req.items)
+        if not items:
+            raise bad("items must not be empty", "items")
+        if isinstance(req.query, str):
+            if not all(isinstance(item, str) for item in items):
+                raise bad("items must be text when query is text", "items")
+            texts = [f"{item}{req.query}" if req.item_first else f"{req.query}{item}" for item in items]
+            return [self.manager.encode(text) for text in texts]
+        if not all(isinstance(item, list) for item in items):
+            raise bad("items must be lists of token ids when query is token ids", "items")
+        for item in items:
+            self.check_ids(item, "items")  # type: ignore[arg-type]
+        self.check_ids(req.query, "query")
+        return [list(item) + req.query if req.item_first else req.query + list(item) for item in items]  # type: ignore[operator]
+
+    async def score(self, req: ScoreRequest, request: Request) -> ScoreResponse | Any:
+        self.check_model(req.model)
+        self.check_ids(req.label_token_ids, "label_token_ids")
+        prompts = self.prompts(req)
+        for ids in prompts:
+            if not ids:
+                raise bad("query and item must not both be empty", "query")
+            self.check_context(len(ids), 0, "items", "items")
+        group = self.submit_scoring(prompts, req.label_token_ids)
+        result = await self.run_or_stream(group, request, None)
+        if not isinstance(result, list):
+            return result  # the client hung up
+        scores = []
+        for acc in result:
+            logprobs = acc.label_logprobs
+            if logprobs is None or len(logprobs) != len(req.label_token_ids):
+                raise bad(f"scoring failed: {acc.finish_reason and acc.finish_reason.to_dict()}")
+            scores.append(label_scores(logprobs, req.apply_softmax))
+        prompt_tokens = sum(len(p) for p in prompts)
+        return ScoreResponse(scores=scores, model=self.state.model_name,
+                             usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=0,
+                                             total_tokens=prompt_tokens))
+
+    def submit_scoring(self, prompts: list[list[int]], label_token_ids: list[int]) -> Any:
+        """Prefill-only requests whose final outputs carry the labels' logprobs."""
+        params = SamplingParams(max_new_tokens=0, temperature=0.0)
+        return self.submit(prompts, params, f"score-{uuid.uuid4().hex}", False, label_token_ids=label_token_ids)
