@@ -169,6 +169,8 @@ class ServingNative(OpenAIServing):
         if server_args.get("api_key"):
             server_args["api_key"] = "***"
         return {**info, "num_in_flight": self.manager.num_in_flight, "server_args": server_args,
+                # Resident weights of rank 0 and their formats (servelm.model_loader.quantization).
+                **{k: self.manager.model_info.get(k) for k in ("weight_bytes", "quantization", "weight_formats")},
                 "version": __version__}
 
     async def scheduler_call(self, coro: Any) -> Any:
