@@ -1,0 +1,72 @@
+"""Quantised weights under tensor parallelism and in deterministic mode: a tiny Llama written as a Q4_1 GGUF
+keeps its blocks on every rank (column shards by rows, row-parallel shards by whole blocks, vocab shards
+padded with zero blocks) and TP=2 gives the TP=1 tokens, also through the LM-head all-to-all."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from servelm.entrypoints.engine import Engine
+from tests.conftest import build_tiny_model
+from tests.models.gguf_files import write_gguf
+from tests.test_deterministic import _switch_off_afterwards, _variants  # noqa: F401 (the fixture is autouse)
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True, "prompt_logprobs": True}
+
+
+def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 40))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(tmp_path_factory, default_tokenizer_dir) -> tuple[Path, Path]:
+    """(a tiny tied Llama as a Q4_1 GGUF: every matrix, the embedding too; its HF folder, for the tokenizer)."""
+    folder, model = build_tiny_model(tmp_path_factory.mktemp("tiny_hf"), default_tokenizer_dir, "llama", std=0.5)
+    path = tmp_path_factory.mktemp("tiny_q4_1") / "tiny.Q4_1.gguf"
+    write_gguf(path, "llama", model, quantize="Q4_1")
+    return path, folder
+
+
+def _engine(model: tuple[Path, Path], **kw) -> Engine:
+    path, tokenizer = model
+    return Engine(model_path=str(path), tokenizer_path=str(tokenizer), **{"max_total_tokens": 2048, **kw})
+
+
+def _run(model: tuple[Path, Path], **kw) -> list[dict]:
+    engine = _engine(model, **kw)
+    try:
+        info = engine.scheduler.model_info()
+        # Every matrix kept as Q4_1 blocks: 2 layers x (qkv, o, gate_up, down) + the tied embedding.
+        assert info["quantization"] == "auto" and info["weight_formats"] == {"q4_1": 9}, info
+        return engine.generate(input_ids=_prompts(), sampling_params=GREEDY)
+    finally:
+        engine.shutdown()
+
+
+def _assert_same(a: list[dict], b: list[dict]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x["output_ids"] == y["output_ids"]
+        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4
+        assert max(abs(p - q) for p, q in zip(x["prompt_logprobs"][1:], y["prompt_logprobs"][1:], strict=True)) < 1e-4
+
+
+def test_tp2_q4_1_equals_tp1(q4_1_gguf) -> None:
+    base = _run(q4_1_gguf)
+    _assert_same(_run(q4_1_gguf, tp_size=2), base)
+    _assert_same(_run(q4_1_gguf, tp_size=2, enable_tp_lm_head_all_to_all=True, enable_deterministic_inference=True),
+                 base)
+
+
+def test_deterministic_q4_1_is_batch_invariant(q4_1_gguf) -> None:
+    """The target request's tokens and logprobs are bitwise the same alone, cached, and inside batches."""
+    engine = _engine(q4_1_gguf, max_total_tokens=8192, enable_deterministic_inference=True)
+    try:
+        res = _variants(engine, {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": True})
+    finally:
+        engine.shutdown()
+    first = next(iter(res.values()))
+    assert all(v == first for v in res.values()), {k: v[0] for k, v in res.items()}
