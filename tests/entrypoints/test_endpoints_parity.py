@@ -16,19 +16,13 @@ import pytest
 import torch
 
 from servelm import __version__
-from tests.server_fixtures import ServerProcess, start_server
-
-KV_TOKENS = 256
+from tests.entrypoints.conftest import PARITY_KV_TOKENS as KV_TOKENS
+from tests.server_fixtures import ServerProcess
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama: tuple[Path, object], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    model_dir, _ = tiny_llama
-    log = tmp_path_factory.mktemp("parity") / "server.log"
-    srv = start_server(["--model-path", str(model_dir), "--disable-torch-compile", "--max-total-tokens",
-                        str(KV_TOKENS), "--served-model-name", "tiny"], log)
-    yield srv
-    assert srv.stop() == 0, srv.log()[-3000:]
+def server(parity_server: ServerProcess) -> ServerProcess:
+    return parity_server
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +145,8 @@ def test_vllm_metric_families(server: ServerProcess, http: httpx.Client) -> None
     client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
     async def run() -> None:
-        # Four requests of ~100 tokens each overflow the 256-token KV pool: the scheduler must retract.
-        await asyncio.gather(*(client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=90,
+        # Four requests of ~150 tokens each overflow the 512-token KV pool: the scheduler must retract.
+        await asyncio.gather(*(client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=150,
                                                          temperature=0, extra_body={"ignore_eos": True})
                                for i in range(4)))
 
@@ -165,7 +159,7 @@ def test_vllm_metric_families(server: ServerProcess, http: httpx.Client) -> None
     # Every scheduler step: prompt tokens once, plus one token per output token (recomputation after
     # retraction counts again, so at least).
     steps = metric(text, "iteration_tokens_total_sum") - _count(before, "iteration_tokens_total_sum")
-    assert steps >= 4 * 90
+    assert steps >= 4 * 150
     assert metric(text, "iteration_tokens_total_count") > _count(before, "iteration_tokens_total_count")
     assert 'servelm:iteration_tokens_total_bucket{le="1.0",model_name="tiny"}' in text
     usage = metric(text, "kv_cache_usage_perc")
