@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from servelm.cli.serve_backends import (
     ServeBackendDetection,
     ServeRequest,
 )
+
+logger = logging.getLogger(__name__)
 
 # Hugging Face pipeline tags of generative image/video/audio/3D models.
 _GENERATIVE_TAG_SUFFIXES = ("-to-image", "-to-video", "-to-audio", "-to-3d")
@@ -104,6 +107,13 @@ def check_pipeline_folder(model_path: str) -> None:
                        "pipeline class (_class_name)")
 
 
+def configure_threads(num_threads: int | None) -> None:
+    """The CPU thread count, set before torch loads (as the llm backend does for its processes)."""
+    from servelm.cpu_threads import configure_cpu_threads, describe_threads
+
+    logger.info("The pipeline uses %s", describe_threads(configure_cpu_threads(num_threads)))
+
+
 def run(request: ServeRequest) -> None:
     """Print help, or serve the diffusers folder over the OpenAI Images API until stopped."""
     from servelm.diffusion.config import DiffusionServerArgs, build_parser
@@ -116,6 +126,7 @@ def run(request: ServeRequest) -> None:
     args = DiffusionServerArgs.from_namespace(parser.parse_args(list(request.argv)))
     check_pipeline_folder(args.model_path)
     require_diffusers()
+    configure_threads(args.num_threads)
     # Imported here so that help, detection and the llm path never pull in torch or diffusers.
     from servelm.diffusion.server import ServerError, launch_server
 
@@ -132,6 +143,7 @@ def generate(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     check_pipeline_folder(ns.model_path)
     require_diffusers()
+    configure_threads(ns.num_threads)
     return generate_images(ns)
 
 

@@ -27,6 +27,8 @@ _HELP = {
     "image_store_size": "Edited images kept for GET /v1/images/{id}/content (response_format=url), LRU.",
     "shutdown_timeout": "On SIGTERM, seconds running requests get to finish (none on Ctrl-C).",
     "log_level": "Log level.",
+    "num_threads": "CPU threads of the pipeline (default: the CPUs available, fewer while other processes keep "
+                   "them busy).",
 }
 
 
@@ -49,6 +51,7 @@ class DiffusionServerArgs:
     image_store_size: int = 64
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -60,6 +63,7 @@ class DiffusionServerArgs:
             (self.max_inference_steps >= 1, f"--max-inference-steps must be >= 1, got {self.max_inference_steps}"),
             (self.image_store_size >= 1, f"--image-store-size must be >= 1, got {self.image_store_size}"),
             (self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}"),
+            (self.num_threads is None or self.num_threads >= 1, f"--num-threads must be >= 1, got {self.num_threads}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -77,7 +81,7 @@ class DiffusionServerArgs:
             if f.name == "model_path":
                 parser.add_argument(flag, "--model", required=True, **kwargs)
                 continue
-            kind = {"int": int, "float": float}.get(str(f.type), str)
+            kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
             kwargs["help"] += f" (default: {f.default})"
             if f.name == "dtype":
                 kwargs["choices"] = DTYPES

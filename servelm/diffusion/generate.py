@@ -32,6 +32,7 @@ def build_parser() -> StrictArgumentParser:
     parser.add_argument("--output-dir", default="outputs", help="Where to write them (default: ./outputs).")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N.")
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: float32 on CPU, bf16/fp16 on CUDA.")
+    parser.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: the CPUs available).")
     return parser
 
 
@@ -42,6 +43,8 @@ def _checked(ns: argparse.Namespace) -> None:
         raise CliError(f"--n must be in [1, {MAX_IMAGES}], got {ns.n}")
     if ns.steps is not None and ns.steps < 1:
         raise CliError(f"--steps must be >= 1, got {ns.steps}")
+    if ns.num_threads is not None and ns.num_threads < 1:
+        raise CliError(f"--num-threads must be >= 1, got {ns.num_threads}")
     if ns.seed is not None and ns.seed < 0:
         raise CliError(f"--seed must be >= 0, got {ns.seed}")
 
@@ -56,7 +59,7 @@ def generate_images(ns: argparse.Namespace) -> int:
     from servelm.diffusion.runtime import DiffusionRuntime, ImageJob, PipelineLoadError
 
     try:
-        runtime = DiffusionRuntime.load(ns.model_path, ns.device, ns.dtype)
+        runtime = DiffusionRuntime.load(ns.model_path, ns.device, ns.dtype, ns.num_threads)
         width, height = parse_size(ns.size, runtime.default_size, 1 << 16)
     except (PipelineLoadError, ApiError) as exc:
         raise CliError(str(exc).removeprefix("size: ")) from None

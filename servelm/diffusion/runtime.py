@@ -1,6 +1,7 @@
 """The diffusers side: load a pipeline folder, run a batch of image jobs through it, encode PNGs.
 
-One `DiffusionRuntime` per server (or `servelm generate` / bench run). `run(jobs)` denoises every image of
+One `DiffusionRuntime` per server (or `servelm generate` / bench run); call `run` from one thread only (the
+CPU thread count that the governor adapts belongs to the calling thread). `run(jobs)` denoises every image of
 every job as one pipeline call: one prompt row and one `torch.Generator` per image, so that a seed gives the
 same image alone and in a batch. The pipeline's step-end callback times each step and stops the call as soon
 as every job of the batch is cancelled (`BatchCancelled`).
@@ -21,6 +22,8 @@ import torch
 from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 from diffusers.pipelines.auto_pipeline import AUTO_TEXT2IMAGE_PIPELINES_MAPPING
 from PIL import Image
+
+from servelm.cpu_threads import ThreadGovernor
 
 logger = logging.getLogger("servelm.diffusion")
 
@@ -121,8 +124,9 @@ def _param_default(params: dict[str, inspect.Parameter], name: str, fallback: An
 class DiffusionRuntime:
     """A loaded pipeline, its image-to-image variant (when diffusers has one) and their defaults."""
 
-    def __init__(self, pipe: DiffusionPipeline, model_path: str) -> None:
+    def __init__(self, pipe: DiffusionPipeline, model_path: str, governor: ThreadGovernor | None = None) -> None:
         self.pipe = pipe
+        self.governor = governor  # fewer CPU threads while other processes keep the CPUs busy
         self.model_path = model_path
         pipe.set_progress_bar_config(disable=True)
         self.params = dict(inspect.signature(pipe.__call__).parameters)
@@ -133,9 +137,11 @@ class DiffusionRuntime:
         self.img2img = self._image_to_image(pipe)
 
     @classmethod
-    def load(cls, model_path: str, device: str = "auto", dtype: str = "auto") -> DiffusionRuntime:
+    def load(cls, model_path: str, device: str = "auto", dtype: str = "auto",
+             num_threads: int | None = None) -> DiffusionRuntime:
         device = resolve_device(device)
-        return cls(load_pipeline(model_path, device, resolve_dtype(dtype, device)), model_path)
+        governor = ThreadGovernor.for_process(num_threads) if device == "cpu" else None
+        return cls(load_pipeline(model_path, device, resolve_dtype(dtype, device)), model_path, governor)
 
     @staticmethod
     def _image_to_image(pipe: DiffusionPipeline) -> DiffusionPipeline | None:
@@ -175,6 +181,8 @@ class DiffusionRuntime:
         started = [time.perf_counter(), 0]
 
         def step_end(_pipe: Any, step: int, _timestep: Any, _tensors: dict[str, Any]) -> dict[str, Any]:
+            if self.governor is not None:
+                self.governor.tick()
             now = time.perf_counter()
             if on_step is not None:
                 on_step(now - started[0])

@@ -2,7 +2,7 @@
 
 Requests wait in FIFO order in a bounded queue (`QueueFull` beyond it: a 429). When the pipeline is free,
 the oldest request and every later one with the same batch key (size, steps, guidance, ...) run as one
-pipeline call, up to `max_batch_size` images; a request is never split. The call runs in a worker thread;
+pipeline call, up to `max_batch_size` images; a request is never split. The call runs in one worker thread;
 a request whose client hung up leaves the queue at once, or, running, stops the call before its next step
 when no other request of the batch still wants its images.
 """
@@ -10,6 +10,7 @@ when no other request of the batch still wants its images.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import math
@@ -60,6 +61,8 @@ class ImageScheduler:
         self.running: list[Pending] = []
         self._wakeup = asyncio.Event()
         self._batch_seconds = 0.0  # the last pipeline call's wall time: the Retry-After estimate
+        # One thread runs every pipeline call: torch's CPU thread settings are per calling thread.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="servelm-diffusion")
 
     @property
     def num_in_flight(self) -> int:
@@ -126,7 +129,8 @@ class ImageScheduler:
         logger.info("Denoising a batch of %d image(s) from %d request(s)", images, len(batch))
         started = time.monotonic()
         try:
-            results = await asyncio.to_thread(self.runner.run, [p.job for p in batch], self.metrics.step.observe)
+            results = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.runner.run, [p.job for p in batch], self.metrics.step.observe)
         except BatchCancelled as exc:
             logger.info("Stopped a batch of %d request(s) after %d of %d denoising step(s): every client left",
                         len(batch), exc.steps_done, batch[0].job.steps)
@@ -143,6 +147,9 @@ class ImageScheduler:
                 self._finish(pending, RequestFailed("cancelled", 499), "aborted")
             self.running = []
             self.metrics.running.set(0)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _finish(self, pending: Pending, result: list[bytes] | RequestFailed, outcome: str) -> None:
         if pending.future.done():

@@ -249,6 +249,8 @@ def _lifespan(state: DiffusionState) -> Any:
         finally:
             state.shutting_down = True
             await stop_task(startup)
+            if state.scheduler is not None:
+                state.scheduler.close()
 
     return lifespan
 
@@ -256,7 +258,8 @@ def _lifespan(state: DiffusionState) -> Any:
 async def _startup(state: DiffusionState) -> None:
     args, started = state.args, time.monotonic()
     try:
-        state.runtime = await asyncio.to_thread(DiffusionRuntime.load, args.model_path, args.device, args.dtype)
+        state.runtime = await asyncio.to_thread(DiffusionRuntime.load, args.model_path, args.device, args.dtype,
+                                                args.num_threads)
     except Exception as exc:
         state.fail(str(exc) if isinstance(exc, PipelineLoadError) else f"{type(exc).__name__}: {exc}")
         return
