@@ -121,9 +121,13 @@ class ServingResponses(OpenAIServing):
         history: list[dict[str, str]] = []
         if req.previous_response_id is not None:
             try:
-                history = list(self.store.get(req.previous_response_id).messages)
+                previous = self.store.get(req.previous_response_id)
             except ApiError as exc:
                 raise ApiError(404, exc.message, param="previous_response_id", code="response_not_found") from None
+            if not previous.response.finished:
+                raise bad(f"Response '{req.previous_response_id}' is still {previous.response.status}: continue "
+                          "from it once it has finished.", "previous_response_id")
+            history = list(previous.messages)
         if isinstance(req.input, str):
             return [*history, {"role": "user", "content": req.input}]
         if not req.input:

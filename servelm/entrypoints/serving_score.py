@@ -74,6 +74,9 @@ class ServingScore(OpenAIServing):
         self.check_model(req.model)
         self.check_ids(req.label_token_ids, "label_token_ids")
         prompts = self.prompts(req)
+        if len(prompts) > self.manager.max_in_flight:
+            raise bad(f"{len(prompts)} items, but the server runs at most {self.manager.max_in_flight} requests at "
+                      "once; send fewer", "items")
         for ids in prompts:
             if not ids:
                 raise bad("query and item must not both be empty", "query")

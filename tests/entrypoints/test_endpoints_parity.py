@@ -80,6 +80,7 @@ def test_score_token_ids_and_item_first(http: httpx.Client, tiny_llama: tuple[Pa
     ({"query": "q", "items": [[1, 2]], "label_token_ids": [1]}, "items"),
     ({"query": [1], "items": ["a"], "label_token_ids": [1]}, "items"),
     ({"query": "q", "items": [], "label_token_ids": [1]}, "items"),
+    ({"query": "q", "items": ["a"] * 321, "label_token_ids": [1]}, "items"),  # more than the server runs at once
     ({"query": "q", "items": ["a"], "label_token_ids": [1], "bogus": 1}, "bogus"),
 ])
 def test_score_bad_requests(http: httpx.Client, body: dict, param: str) -> None:

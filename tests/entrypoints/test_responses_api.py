@@ -120,6 +120,8 @@ def test_background_cancel_and_delete(server: ServerProcess, client: openai.Open
 
     long = client.responses.create(model="tiny", input="Write a long story.", max_output_tokens=450,
                                    temperature=0, background=True)
+    with pytest.raises(openai.BadRequestError, match="still"):  # no continuing a response before it ends
+        client.responses.create(model="tiny", input="x", previous_response_id=long.id, max_output_tokens=2)
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled"
     after = wait_finished(client, long.id)
