@@ -14,6 +14,7 @@ import torch through this module (it only validates).
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,35 +81,61 @@ def strict_schema(schema: Any, close: bool = True) -> Any:
     return out
 
 
-def grammar_of(json_schema: str | None, regex: str | None) -> str | None:
-    """The llguidance grammar of a request's constraint, or None when it has none.
+def grammar_of(json_schema: str | None, regex: str | None, ebnf: str | None = None,
+               whitespace_pattern: str | None = None) -> str | None:
+    """The llguidance grammar of a request's constraint (a JSON schema, a regular expression, or an EBNF grammar
+    in Lark or GBNF syntax, as llguidance reads them), or None when it has none. `whitespace_pattern` (vLLM's)
+    is the regex of the whitespace a JSON schema allows between tokens.
 
-    Raises ValueError (naming the parameter) when the constraint is malformed.
+    Raises ValueError (naming the parameter) when the constraint is malformed or there is more than one.
     """
-    if json_schema is None and regex is None:
+    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("ebnf", ebnf))
+             if value is not None]
+    if not given:
         return None
     from llguidance import LLMatcher
 
-    if json_schema is not None and regex is not None:
-        raise ValueError("json_schema: give at most one of json_schema and regex")
+    if len(given) > 1:
+        raise ValueError(f"{given[0]}: give at most one of json_schema, regex and ebnf (got {', '.join(given)})")
+    param = given[0]
     if json_schema is not None:
-        try:
-            schema = json.loads(json_schema)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"json_schema: not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ValueError(f"json_schema: nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
-        if not isinstance(schema, dict):
-            raise ValueError("json_schema: a JSON schema must be a JSON object")
-        check_schema_depth(schema)
-        grammar = LLMatcher.grammar_from_json_schema(strict_schema(schema), defaults=JSON_OPTIONS)
-        param = "json_schema"
+        grammar = _json_grammar(json_schema, whitespace_pattern)
+    elif regex is not None:
+        grammar = LLMatcher.grammar_from_regex(regex)
     else:
-        grammar, param = LLMatcher.grammar_from_regex(regex), "regex"  # type: ignore[arg-type]
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+        try:
+            grammar = LLMatcher.grammar_from_lark(any_to_lark(ebnf))  # type: ignore[arg-type]
+        except (GbnfToLarkError, ValueError) as exc:
+            raise ValueError(f"ebnf: {str(exc).strip().splitlines()[0]}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{param}: {error.strip().splitlines()[0]}")
     return grammar
+
+
+def _json_grammar(json_schema: str, whitespace_pattern: str | None) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        schema = json.loads(json_schema)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"json_schema: not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"json_schema: nested more than {MAX_SCHEMA_DEPTH} levels deep") from None
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema: a JSON schema must be a JSON object")
+    check_schema_depth(schema)
+    options: dict[str, Any] = dict(JSON_OPTIONS)
+    if whitespace_pattern is not None:
+        options = {"whitespace_flexible": True, "whitespace_pattern": whitespace_pattern}
+    return LLMatcher.grammar_from_json_schema(strict_schema(schema), defaults=options)
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regular expression matching exactly one of `choices` (vLLM's guided_choice)."""
+    return "|".join(f"(?:{re.escape(c)})" for c in choices)
 
 
 class GrammarFactory:

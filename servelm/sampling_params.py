@@ -7,6 +7,7 @@ the offline Engine raises it to the caller.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,13 +40,19 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs: int = 0
-    # Also score the prompt: the logprob (and top_logprobs alternatives) of each prompt token after the
-    # first, given the tokens before it (OpenAI completions' echo with logprobs; vLLM's prompt_logprobs).
+    # Also score the prompt: the logprob (and top alternatives) of each prompt token after the first, given
+    # the tokens before it (OpenAI completions' echo with logprobs; vLLM's prompt_logprobs).
     prompt_logprobs: bool = False
-    # Structured output, at most one: a JSON schema (as a JSON string) or a regular expression that the
-    # generated text must match (servelm.constrained).
+    prompt_top_logprobs: int | None = None  # alternatives per prompt token; None: as many as top_logprobs
+    # Structured output, at most one: a JSON schema (as a JSON string), a regular expression or an EBNF grammar
+    # (Lark or GBNF) that the generated text must match (servelm.constrained); whitespace_pattern: the
+    # whitespace a JSON schema allows (vLLM's).
     json_schema: str | None = None
     regex: str | None = None
+    ebnf: str | None = None
+    whitespace_pattern: str | None = None
+    # SGLang's stop_regex: stop once the output text matches one of these (the match stays in the text).
+    stop_regex: list[str] = field(default_factory=list)
     # OpenAI's logit_bias: token id -> value added to its logit before sampling, in [-100, 100].
     logit_bias: dict[int, float] = field(default_factory=dict)
 
@@ -53,6 +60,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        if isinstance(self.stop_regex, str):
+            self.stop_regex = [self.stop_regex]
+        self.stop_regex = list(self.stop_regex or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         # JSON object keys are strings ("50256": -100): keep ids as ints; a bad key fails validation.
         bias = {}
@@ -90,29 +100,41 @@ class SamplingParams:
             bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 1 <= self.n <= 128:
             bad("n", f"n must be in [1, 128], got {self.n}")
-        if not 0 <= self.top_logprobs <= 20:
-            bad("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        for name in ("top_logprobs", "prompt_top_logprobs"):
+            error = top_logprobs_error(getattr(self, name), name)
+            if error:
+                bad(name, error)
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            bad("seed", f"seed must be in [-2^63, 2^63 - 1], got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop must be a non-empty string or a list of non-empty strings")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             bad("stop_token_ids", f"stop_token_ids must be in [0, {vocab_size})")
+        bad_keys = [k for k in self.logit_bias
+                    if not isinstance(k, int) or (vocab_size is not None and not 0 <= k < vocab_size)]
+        if bad_keys:
+            bad("logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got "
+                              f"{', '.join(repr(k) for k in bad_keys)}")
         for token, value in self.logit_bias.items():
-            if not isinstance(token, int) or (vocab_size is not None and not 0 <= token < vocab_size):
-                bad("logit_bias", f"logit_bias keys must be token ids in [0, {vocab_size}), got {token!r}")
             if not isinstance(value, (int, float)) or not -100 <= value <= 100:
                 bad("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as exc:
+                bad("stop_regex", f"stop_regex: not a valid regular expression: {pattern!r} ({exc})")
         self.grammar()
 
     def grammar(self) -> str | None:
         """The llguidance grammar of json_schema / regex (None without one); SamplingParamsError if malformed."""
         from servelm.constrained import grammar_of
 
-        key = (self.json_schema, self.regex)
+        key = (self.json_schema, self.regex, self.ebnf, self.whitespace_pattern)
         cached = self.__dict__.get("_grammar")  # validate() and the scheduler both ask: compile once
         if cached is not None and cached[0] == key:
             return cached[1]
         try:
-            grammar = grammar_of(self.json_schema, self.regex)
+            grammar = grammar_of(*key)
         except ValueError as exc:
             param, _, message = str(exc).partition(": ")
             raise SamplingParamsError(param, f"{param}: {message}") from None
@@ -137,6 +159,17 @@ class SamplingParams:
 
 # ------------------------------------------------------------------ request checks
 # One home for the checks that the API (a 400 naming the field) and the scheduler (its safety net) both make.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as vLLM's
+MAX_TOP_LOGPROBS = 20
+
+
+def top_logprobs_error(value: int | None, param: str = "top_logprobs") -> str | None:
+    """Why `value` cannot be a number of top alternatives (top_logprobs, completions' logprobs), or None."""
+    if value is None or 0 <= value <= MAX_TOP_LOGPROBS:
+        return None
+    return f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {value}"
+
+
 def token_ids_error(ids: Sequence[int], vocab_size: int, what: str = "prompt") -> str | None:
     """Why `ids` cannot be a prompt (empty, or a token outside the vocabulary), or None."""
     if not ids:

@@ -82,8 +82,8 @@ class Harness:
         if resp.status_code != 200:
             raise RuntimeError(f"/generate answered {resp.status_code}: {resp.text[:500]}")
         out = resp.json()
-        logprobs = out.get("meta_info", {}).get("output_token_logprobs") or []
-        return tuple(out["output_ids"]), tuple(logprobs)
+        logprobs = out.get("meta_info", {}).get("output_token_logprobs") or []  # SGLang's [logprob, id, text]
+        return tuple(out["output_ids"]), tuple(entry[0] for entry in logprobs)
 
     async def batch(self, client: httpx.AsyncClient, items: list[tuple[str | None, str | list[int]]]) -> None:
         """Send all items at once; record the outputs of those with a label."""

@@ -56,11 +56,8 @@ def invalid_text_path(value: Any) -> str | None:
 # Extensions of vLLM and SGLang that clients send and servelm does not implement yet: named as such in the
 # 400, rather than "unrecognized" (and never dropped silently, which would change what the client asked for).
 UNSUPPORTED_EXTENSIONS = frozenset({
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "structured_outputs", "ebnf", "json_schema", "stop_regex", "return_token_ids", "return_tokens_as_token_ids",
-    "truncate_prompt_tokens", "prompt_logprobs", "include_stop_str_in_output", "spaces_between_special_tokens",
-    "use_beam_search", "length_penalty", "priority", "documents", "mm_processor_kwargs", "chat_template",
-    "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "lora_path", "image_data",
+    "guided_decoding_backend", "include_stop_str_in_output", "spaces_between_special_tokens", "length_penalty",
+    "early_stopping", "priority", "documents", "mm_processor_kwargs", "chat_template", "lora_path", "image_data",
     "audio_data", "video_data", "session_params", "custom_logit_processor", "request_id", "cache_salt",
     "allowed_token_ids", "bad_words", "return_hidden_states", "lora_request", "vllm_xargs", "kv_transfer_params",
 })
@@ -111,6 +108,21 @@ class ErrorResponse(BaseModel):
 # ------------------------------------------------------------- requests
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) on every chunk too, with include_usage
+
+
+class StructuredOutputs(_TopRequest):
+    """vLLM's `structured_outputs` object: at most one of json, regex, choice, grammar, json_object. Unknown
+    keys are a 400 (a constraint servelm does not know must not be dropped)."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    _depth = field_validator("json_")(lambda v: _bounded_schema(v) if isinstance(v, dict) else v)
 
 
 class ContentPart(_Request):
@@ -200,8 +212,25 @@ class _SamplingFields(_TopRequest):
     stream_options: StreamOptions | None = None
     rid: str | None = None
     response_format: ResponseFormat | None = None
-    regex: str | None = None  # SGLang/vLLM extension: the output matches this regular expression
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    # Constraints (at most one, with response_format; serving_base.constraint_of): SGLang's and vLLM's spellings.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+    stop_regex: str | list[str] | None = None  # SGLang: stop once the output matches one of these
+    # vLLM: the prompt's logprobs (this many alternatives each), token ids in the response, logprob tokens as
+    # "token_id:N", keep only the last N prompt tokens (-1: as many as fit the context).
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None
+    use_beam_search: bool = False  # refused when true: servelm has no beam search
     # OpenAI fields that change nothing a local server does: accepted and ignored.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -222,6 +251,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: "required" makes exactly one call
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM/SGLang: extra variables of the chat template
+    echo: bool = False  # vLLM: the reply starts with the last message's content when it has the reply's role
     # OpenAI fields: modalities may only ask for text; audio output is refused; the others change nothing here.
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
@@ -248,6 +278,12 @@ class GenerateRequest(_TopRequest):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     rid: str | None = None
+    # SGLang: logprobs in meta_info as [logprob, token_id, text-or-null], of the prompt from logprob_start_len
+    # (-1: none of it) and of the output, with top_logprobs_num alternatives each.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    return_text_in_logprobs: bool = False
 
 
 class TokenizeRequest(_TopRequest):
@@ -325,6 +361,7 @@ class DeltaToolCall(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # as SGLang's: always null (no reasoning parser)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -334,6 +371,7 @@ class ChatCompletionChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class ChatCompletionResponse(_Response):
@@ -343,11 +381,14 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's prompt_logprobs (on the response)
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # SGLang/vLLM clients read it; always null (no reasoning parser)
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -357,6 +398,7 @@ class ChatCompletionStreamChoice(_Response):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -366,6 +408,7 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # on the first chunk, with return_token_ids
 
 
 class CompletionLogprobs(_Response):
@@ -381,6 +424,9 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's prompt_logprobs (per choice)
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(_Response):

@@ -181,7 +181,7 @@ class OpenAIServing:
         found = constraints_of(req) + ([("json_schema", json_schema, schema_param)] if json_schema is not None else [])
         if len(found) > 1:
             names = ", ".join(name for _, _, name in found)
-            raise bad(f"give at most one constraint; got {names}", found[1][2].split(".")[0])
+            raise bad(f"give at most one constraint; got {names}", found[0][2].split(".")[0])
         fields = {"max_tokens": max_tokens_param}
         for kind, value, name in found:
             kw[kind], fields[kind] = value, name

@@ -37,7 +37,7 @@ from servelm.entrypoints.tool_calls import (
 )
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.tokenizer_manager import RequestGroup
-from servelm.sampling_params import SamplingParams
+from servelm.sampling_params import SamplingParams, top_logprobs_error
 
 
 def check_text_only(req: ChatCompletionRequest) -> None:
@@ -71,30 +71,43 @@ class ServingChat(OpenAIServing):
         rid = req.rid or random_id("chatcmpl")
         group = self.submit([ids], params, rid, req.stream)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = ChatStream(self, rid, len(ids), params, tools).events(group, include_usage)
+            events = ChatStream(self, rid, ids, params, tools, req).events(group)
             return await self.run_or_stream(group, request, events)
         result = await self.run_or_stream(group, request, None)
         if not isinstance(result, list):
             return result
-        choices = []
-        for i, acc in enumerate(result):
-            message = ChatResponseMessage(content=acc.full_text)
-            finish = finish_reason_str(acc.finish_reason)
-            if tools is not None:
-                calls, finish, message.content = calls_of(tools, acc)
-                message.tool_calls = calls or None
-            choices.append(ChatCompletionChoice(index=i, message=message, finish_reason=finish,
-                                                logprobs=self.chat_logprobs(acc) if params.logprobs else None,
-                                                matched_stop=matched(acc.finish_reason)))
-        return ChatCompletionResponse(id=rid, model=self.state.model_name, choices=choices,
-                                      usage=usage([len(ids)], result, params.n))
+        as_ids = req.return_tokens_as_token_ids
+        return ChatCompletionResponse(
+            id=rid, model=self.state.model_name, choices=[self.choice(req, i, acc, params, tools)
+                                                          for i, acc in enumerate(result)],
+            usage=usage([len(ids)], result, params.n), prompt_token_ids=ids if req.return_token_ids else None,
+            prompt_logprobs=(None if req.prompt_logprobs is None else
+                             self.vllm_prompt_logprobs(ids, result[0], req.prompt_logprobs, as_ids)))
+
+    def choice(self, req: ChatCompletionRequest, index: int, acc: Accumulated, params: SamplingParams,
+               tools: ToolPlan | None) -> ChatCompletionChoice:
+        """One choice of a non-streamed reply: its message (echo, tool calls), logprobs, token ids."""
+        message = ChatResponseMessage(content=acc.full_text)
+        finish = finish_reason_str(acc.finish_reason)
+        if tools is not None:
+            calls, finish, message.content = calls_of(tools, acc)
+            message.tool_calls = calls or None
+        echo = echo_text(req)
+        if echo:
+            message.content = echo + (message.content or "")
+        return ChatCompletionChoice(
+            index=index, message=message, finish_reason=finish, matched_stop=matched(acc.finish_reason),
+            logprobs=self.chat_logprobs(acc, req.return_tokens_as_token_ids) if params.logprobs else None,
+            token_ids=acc.token_ids if req.return_token_ids else None)
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams, ToolPlan | None]:
         """Check the request; render its prompt with the chat template; its sampling params and tool plan."""
         self.check_model(req.model)
         if not req.messages:
             raise bad("messages must be a non-empty list of messages", "messages")
+        error = top_logprobs_error(req.top_logprobs)
+        if error:
+            raise bad(error, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise bad("top_logprobs requires logprobs to be true", "top_logprobs")
         check_text_only(req)
@@ -115,6 +128,7 @@ class ServingChat(OpenAIServing):
                                                tool_dicts, req.chat_template_kwargs)
         except Exception as exc:  # jinja errors (e.g. roles out of order) are the request's fault
             raise bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
+        ids = self.truncate(ids, req.truncate_prompt_tokens)
         self.check_ids(ids, "messages")
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -128,58 +142,84 @@ class ServingChat(OpenAIServing):
             params.skip_special_tokens = False
         return ids, params, tools
 
-    def chat_logprobs(self, out: TokenOut | Accumulated) -> ChatLogprobs:
-        """OpenAI chat logprobs of the tokens of `out` that carry one."""
+    def chat_logprobs(self, out: TokenOut | Accumulated, as_ids: bool = False) -> ChatLogprobs:
+        """OpenAI chat logprobs of the tokens of `out` that carry one (tokens as `token_id:N` with as_ids)."""
         content = []
         for k, tid in enumerate(out.token_ids[:len(out.logprobs)]):
-            text = self.manager.token_text(tid)
-            tops = [TopLogprob(token=(alt := self.manager.token_text(t)), logprob=lp, bytes=list(alt.encode()))
+            text = self.token_str(tid, as_ids)
+            tops = [TopLogprob(token=(alt := self.token_str(t, as_ids)), logprob=lp, bytes=list(alt.encode()))
                     for t, lp in (out.top_logprobs[k] if k < len(out.top_logprobs) else [])]
             content.append(ChatTokenLogprob(token=text, logprob=out.logprobs[k], bytes=list(text.encode()),
                                             top_logprobs=tops))
         return ChatLogprobs(content=content)
 
 
-class ChatStream:
-    """The SSE events of one streamed chat request: a role delta first, then content (or tool calls) with
-    the finish reason, usage if asked, [DONE]."""
+def echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, when that message has the reply's role (the assistant's,
+    or with add_generation_prompt false the last message's own)."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    return last.text() if req.echo and last.role == role else ""
 
-    def __init__(self, serving: ServingChat, rid: str, prompt_len: int, params: SamplingParams,
-                 tools: ToolPlan | None) -> None:
+
+class ChatStream:
+    """The SSE events of one streamed chat request: a role delta first (and the echo), then content (or tool
+    calls) with the finish reason, usage if asked (on every chunk with continuous_usage_stats), [DONE]."""
+
+    def __init__(self, serving: ServingChat, rid: str, prompt: list[int], params: SamplingParams,
+                 tools: ToolPlan | None, req: ChatCompletionRequest) -> None:
         self.serving = serving
         self.rid = rid
-        self.prompt_len = prompt_len
+        self.prompt = prompt
         self.params = params
         self.tools = tools
+        self.req = req
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(options and options.continuous_usage_stats)
+        self.usage_now: UsageInfo | None = None  # of the output being rendered, with continuous_usage
         self.created = int(time.time())
         self.started: set[int] = set()
         self.hermes: dict[int, HermesStream] = {}
         self.constrained: dict[int, ConstrainedCallStream] = {}
 
-    def events(self, group: RequestGroup, include_usage: bool) -> AsyncIterator[str]:
+    def events(self, group: RequestGroup) -> AsyncIterator[str]:
         return stream_events(group, self.render, (lambda accs: self.chunk(
-            [], usage([self.prompt_len], accs, self.params.n))) if include_usage else None)
+            [], usage([len(self.prompt)], accs, self.params.n))) if self.include_usage else None)
 
-    def chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None) -> str:
+    def chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
+              prompt_token_ids: list[int] | None = None) -> str:
         return sse(ChatCompletionChunk(id=self.rid, created=self.created, model=self.serving.state.model_name,
-                                       choices=choices, usage=usage))
+                                       choices=choices, usage=usage or self.usage_now,
+                                       prompt_token_ids=prompt_token_ids))
 
     def logprobs(self, out: TokenOut | Accumulated) -> ChatLogprobs | None:
-        return self.serving.chat_logprobs(out) if self.params.logprobs else None
+        return self.serving.chat_logprobs(out, self.req.return_tokens_as_token_ids) if self.params.logprobs else None
 
     def render(self, index: int, out: TokenOut, acc: Accumulated) -> Iterator[str]:
+        if self.continuous_usage:
+            self.usage_now = usage([len(self.prompt)], [acc], 1)
         if index not in self.started:
-            self.started.add(index)
-            yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant",
-                                                                                         content=""))])
+            yield from self.start(index)
         if self.tools is not None and self.tools.auto:
             yield from self.render_hermes(index, out, acc)
         elif self.tools is not None:
             yield from self.render_constrained(index, out, acc)
-        elif out.text or out.finish_reason is not None or out.logprobs:
+        elif out.text or out.finish_reason is not None or out.logprobs or (self.req.return_token_ids and
+                                                                            out.token_ids):
             yield self.chunk([ChatCompletionStreamChoice(
                 index=index, delta=DeltaMessage(content=out.text or None), logprobs=self.logprobs(out),
-                finish_reason=finish_reason_str(out.finish_reason), matched_stop=matched(out.finish_reason))])
+                finish_reason=finish_reason_str(out.finish_reason), matched_stop=matched(out.finish_reason),
+                token_ids=out.token_ids if self.req.return_token_ids else None)])
+
+    def start(self, index: int) -> Iterator[str]:
+        """The first chunks of a choice: its role (with the prompt's ids if asked), then the echo if any."""
+        self.started.add(index)
+        yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                         prompt_token_ids=self.prompt if self.req.return_token_ids else None)
+        echo = echo_text(self.req)
+        if echo:
+            yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))])
 
     def render_constrained(self, index: int, out: TokenOut, acc: Accumulated) -> Iterator[str]:
         """A named function or "required": each call starts once its name is known, then its arguments

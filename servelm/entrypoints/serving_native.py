@@ -29,7 +29,7 @@ from servelm.managers.tokenizer_manager import (
     SchedulerUnavailableError,
     tokenizer_display_path,
 )
-from servelm.sampling_params import SamplingParams, SamplingParamsError, token_ids_error
+from servelm.sampling_params import SamplingParams, SamplingParamsError, token_ids_error, top_logprobs_error
 
 _SAMPLING_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _SAMPLING_ADAPTER = pydantic.TypeAdapter(SamplingParams)
@@ -41,8 +41,9 @@ def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
     for key in data:
         if key not in _SAMPLING_FIELDS:
             raise bad(f"sampling_params: unknown sampling parameter '{key}'", f"sampling_params.{key}")
-    if isinstance(data.get("stop"), str):
-        data["stop"] = [data["stop"]]
+    for name in ("stop", "stop_regex"):
+        if isinstance(data.get(name), str):
+            data[name] = [data[name]]
     try:
         params = _SAMPLING_ADAPTER.validate_python(data)
     except pydantic.ValidationError as exc:
@@ -59,8 +60,8 @@ def native_sampling_params(raw: dict[str, Any]) -> SamplingParams:
 class ServingNative(OpenAIServing):
     """The native endpoints."""
 
-    async def generate(self, req: GenerateRequest, request: Request) -> Any:
-        """POST /generate (SGLang's native API): text or input_ids, one or a batch."""
+    def native_prompts(self, req: GenerateRequest) -> tuple[list[list[int]], str, bool]:
+        """(prompts, the field they came from, whether it was a batch) of a /generate request, checked."""
         if (req.text is None) == (req.input_ids is None):
             raise bad("give exactly one of text or input_ids", "text")
         if req.text is not None:
@@ -76,27 +77,55 @@ class ServingNative(OpenAIServing):
             raise bad(f"{param} must not be empty", param)
         for ids in prompts:
             self.check_ids(ids, param)
+        return prompts, param, batch
+
+    def native_params(self, req: GenerateRequest, prompts: list[list[int]]) -> SamplingParams:
+        """The sampling params of a /generate request, with SGLang's top-level logprob options applied."""
         params = native_sampling_params(req.sampling_params)
-        longest = max(len(p) for p in prompts)
+        error = top_logprobs_error(req.top_logprobs_num, "top_logprobs_num")
+        if error:
+            raise bad(error, "top_logprobs_num")
+        shortest = min(len(p) for p in prompts)
+        if not -1 <= req.logprob_start_len < shortest:
+            raise bad(f"logprob_start_len must be -1 (no prompt logprobs) or a prompt position in [0, {shortest}), "
+                      f"got {req.logprob_start_len}", "logprob_start_len")
+        if req.return_logprob:
+            params.logprobs = True
+            params.top_logprobs = req.top_logprobs_num or params.top_logprobs
+            params.prompt_logprobs = params.prompt_logprobs or req.logprob_start_len >= 0
         try:
             params.validate(self.manager.vocab_size)
         except SamplingParamsError as exc:
             name = "max_new_tokens" if exc.param == "max_tokens" else exc.param
-            raise bad(f"sampling_params.{name}: {exc}", f"sampling_params.{name}") from None
-        self.check_context(longest, params.max_new_tokens, param, "sampling_params.max_new_tokens")
+            message = str(exc).removeprefix(f"{exc.param}: ")  # grammar errors name their parameter already
+            raise bad(f"sampling_params.{name}: {message}", f"sampling_params.{name}") from None
+        return params
+
+    async def generate(self, req: GenerateRequest, request: Request) -> Any:
+        """POST /generate (SGLang's native API): text or input_ids, one or a batch."""
+        prompts, param, batch = self.native_prompts(req)
+        params = self.native_params(req, prompts)
+        self.check_context(max(len(p) for p in prompts), params.max_new_tokens, param, "sampling_params.max_new_tokens")
         rid = req.rid or uuid.uuid4().hex
         group = self.submit(prompts, params, rid, req.stream)
+        start = max(req.logprob_start_len, 0) if req.return_logprob else 0
 
         def meta(index: int, acc: Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
             reason = acc.finish_reason.to_dict() if acc.finish_reason is not None else None
-            return {"id": group.subs[index].public_id, "finish_reason": reason,
-                    "prompt_tokens": acc.prompt_tokens or len(prompts[index // params.n]),
-                    "completion_tokens": acc.completion_tokens or len(acc.token_ids),
-                    "cached_tokens": acc.cached_tokens,
-                    **({"output_token_logprobs": acc.logprobs, "output_top_logprobs": acc.top_logprobs}
-                       if params.logprobs else {}),
-                    **({"input_token_logprobs": acc.prompt_logprobs, "input_top_logprobs": acc.prompt_top_logprobs}
-                       if params.prompt_logprobs and with_prompt_logprobs else {})}
+            prompt = prompts[index // params.n]
+            out = {"id": group.subs[index].public_id, "finish_reason": reason,
+                   "prompt_tokens": acc.prompt_tokens or len(prompt),
+                   "completion_tokens": acc.completion_tokens or len(acc.token_ids), "cached_tokens": acc.cached_tokens}
+            text = req.return_text_in_logprobs
+            if params.logprobs:
+                out["output_token_logprobs"], out["output_top_logprobs"] = self.sglang_logprobs(
+                    acc.token_ids, acc.logprobs, acc.top_logprobs, text)
+            if params.prompt_logprobs and with_prompt_logprobs:
+                out["input_token_logprobs"], out["input_top_logprobs"] = self.sglang_logprobs(
+                    prompt[start:], (acc.prompt_logprobs or [])[start:], (acc.prompt_top_logprobs or [])[start:], text)
+            elif req.return_logprob and with_prompt_logprobs:
+                out["input_token_logprobs"], out["input_top_logprobs"] = [], []
+            return out
 
         def item(index: int, acc: Accumulated, with_prompt_logprobs: bool = True) -> dict[str, Any]:
             return {"text": "".join(acc.text), "output_ids": acc.token_ids, "index": index,
@@ -114,6 +143,17 @@ class ServingNative(OpenAIServing):
         items = [item(i, acc) for i, acc in enumerate(result)]
         return items if batch or len(items) > 1 else items[0]
 
+    def sglang_logprobs(self, ids: list[int], lps: list[float | None], tops: list[Any],
+                        with_text: bool) -> tuple[list[list[Any]], list[list[list[Any]] | None]]:
+        """SGLang's token_logprobs and top_logprobs of `ids`: [logprob, token_id, text or None] each (the
+        first prompt token's logprob is None); a token without alternatives has None for them."""
+        def entry(lp: float | None, tid: int) -> list[Any]:
+            return [lp, tid, self.manager.token_text(tid) if with_text else None]
+
+        token_logprobs = [entry(lps[k] if k < len(lps) else None, tid) for k, tid in enumerate(ids)]
+        top_logprobs = [[entry(lp, t) for t, lp in top] if top else None for top in tops[:len(ids)]]
+        return token_logprobs, top_logprobs
+
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """POST /v1/tokenize: a prompt or chat messages (through the chat template) to token ids."""
         self.check_model(req.model)
@@ -129,7 +169,7 @@ class ServingNative(OpenAIServing):
                 raise bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
         else:
             ids = self.manager.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": self.manager.context_length}
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """POST /v1/detokenize: token ids to text."""
@@ -169,6 +209,7 @@ class ServingNative(OpenAIServing):
         if server_args.get("api_key"):
             server_args["api_key"] = "***"
         return {**info, "num_in_flight": self.manager.num_in_flight, "server_args": server_args,
+                "context_length": self.max_model_len,
                 # Resident weights of rank 0 and their formats (servelm.model_loader.quantization).
                 **{k: self.manager.model_info.get(k) for k in ("weight_bytes", "quantization", "weight_formats")},
                 "version": __version__}

@@ -74,6 +74,14 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def num_top_logprobs(row: SamplingRow) -> int:
+    """How many top alternatives a row reports: a scored prompt token its own number (vLLM's prompt_logprobs)."""
+    p = row.params
+    if row.target is not None and p.prompt_top_logprobs is not None:
+        return p.prompt_top_logprobs
+    return p.top_logprobs
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: fp32 [R, V] (raw model output; modified in place)."""
@@ -105,11 +113,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         chosen = torch.tensor([tokens[i] for i in which], dtype=torch.long, device=raw_logprobs.device)
         for i, lp in zip(which, raw_logprobs[rows_at, chosen].tolist()):
             out_lp[i] = lp
-        k = max(rows[i].params.top_logprobs for i in which)
-        if k:
-            vals, idx = torch.topk(raw_logprobs, k, dim=-1)
-            for i, v, t in zip(which, vals.tolist(), idx.tolist()):
-                n = rows[i].params.top_logprobs
+        wanted = [num_top_logprobs(rows[i]) for i in which]
+        if max(wanted):
+            vals, idx = torch.topk(raw_logprobs, max(wanted), dim=-1)
+            for i, n, v, t in zip(which, wanted, vals.tolist(), idx.tolist()):
                 if n:
                     out_top[i] = list(zip(t[:n], v[:n]))
     return SampleOutput(tokens, out_lp, out_top)

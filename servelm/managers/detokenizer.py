@@ -8,6 +8,7 @@ one, waiting while the text ends in an incomplete character (U+FFFD).
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,8 +17,9 @@ if TYPE_CHECKING:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] | None = None,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, stop_regex: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.stop_regex = [re.compile(p) for p in stop_regex or []]
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -32,14 +34,14 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string it completed, if any."""
+        """Append a token; returns the stop string (or stop_regex pattern) it completed, if any."""
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.text += new_text[len(prefix_text):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._check_stop()
+        return self._check_stop() or self._check_stop_regex()
 
     def flush(self) -> None:
         """At the end: emit whatever is still pending, even an incomplete character."""
@@ -62,6 +64,13 @@ class IncrementalDetokenizer:
             return None
         self.text = self.text[: best[0]]
         return best[1]
+
+    def _check_stop_regex(self) -> str | None:
+        """SGLang's stop_regex: the pattern the text now matches; the match is kept in the text (as SGLang)."""
+        for pattern in self.stop_regex:
+            if pattern.search(self.text):
+                return pattern.pattern
+        return None
 
     def take(self, finished: bool) -> str:
         """New text to hand out. While running, hold back a tail that could still become a stop string."""

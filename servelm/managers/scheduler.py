@@ -146,7 +146,8 @@ class Scheduler:
             seed = self._rng.getrandbits(63)
         grammar = params.grammar()
         matcher = self.grammars.matcher(grammar) if grammar is not None else None
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                       params.stop_regex)
         self.waiting.append(Req(req.rid, list(req.input_ids), params, seed, req.sample_index, req.stream, detok,
                                 matcher=matcher, label_ids=list(req.label_token_ids or [])))
         self.stats["prompt_tokens"] += len(req.input_ids)

@@ -80,3 +80,35 @@ def test_one_home_for_prompt_checks() -> None:
     assert context_length_error(10, 7, 16, "messages", "max_completion_tokens") == (
         "This model's maximum context length is 16 tokens. However, you requested 17 tokens (10 in the messages, "
         "7 in the completion). Please reduce the length of the messages or max_completion_tokens.")
+
+
+def test_sampling_params_range_checks_of_issue_15() -> None:
+    from servelm.sampling_params import SamplingParams, SamplingParamsError, top_logprobs_error
+
+    SamplingParams(seed=2**63 - 1).validate(10)
+    SamplingParams(seed=-(2**63)).validate(10)
+    with pytest.raises(SamplingParamsError, match=r"seed must be in \[-2\^63, 2\^63 - 1\], got 9223372036854775808"):
+        SamplingParams(seed=2**63).validate(10)
+    assert top_logprobs_error(-1) == "top_logprobs must be in [0, 20], got -1"
+    assert top_logprobs_error(None) is None and top_logprobs_error(20) is None
+    with pytest.raises(SamplingParamsError) as exc:  # every bad key named, not only the first
+        SamplingParams(logit_bias={"1": 0, "x": 1, "10": 1, "-2": 1}).validate(10)
+    assert exc.value.param == "logit_bias" and str(exc.value).endswith("got 'x', 10, -2")
+    with pytest.raises(SamplingParamsError, match="stop_regex: not a valid regular expression"):
+        SamplingParams(stop_regex="(a").validate(10)
+
+
+def test_constraints_of_reads_every_spelling() -> None:
+    from servelm.entrypoints.openai_protocol import ChatCompletionRequest
+    from servelm.entrypoints.serving_base import constraints_of
+
+    def found(**body: object) -> list[tuple[str, str]]:
+        req = ChatCompletionRequest.model_validate({"messages": [], **body})
+        return [(kind, name) for kind, _, name in constraints_of(req)]
+
+    assert found() == []
+    assert found(guided_choice=["a"], structured_outputs={"json_object": True}) == [
+        ("regex", "guided_choice"), ("json_schema", "structured_outputs.json_object")]
+    assert found(ebnf="start: x", guided_grammar="g", json_schema={"type": "object"}) == [
+        ("json_schema", "json_schema"), ("ebnf", "ebnf"), ("ebnf", "guided_grammar")]
+    assert found(response_format={"type": "text"}, structured_outputs={"json_object": False}) == []

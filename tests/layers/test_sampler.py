@@ -86,6 +86,18 @@ def test_scoring_rows_report_the_given_token_next_to_sampled_rows() -> None:
     assert [t for t, _ in out.top_logprobs[2]] == raw[2].topk(5).indices.tolist()
 
 
+def test_scored_prompt_tokens_have_their_own_number_of_alternatives() -> None:
+    """vLLM's prompt_logprobs=k: a scoring row reports k alternatives whatever top_logprobs says."""
+    logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(5))
+    score = _row(temperature=0, top_logprobs=1, prompt_top_logprobs=4, prompt=[5, 6])
+    score.target = 6
+    zero = _row(temperature=0, top_logprobs=3, prompt_top_logprobs=0, prompt=[5, 6])
+    zero.target = 6
+    out = sample(logits.clone(), [score, zero])
+    assert [t for t, _ in out.top_logprobs[0]] == torch.log_softmax(logits[0], -1).topk(4).indices.tolist()
+    assert out.top_logprobs[1] is None and out.logprobs[1] is not None
+
+
 def test_constraint_mask_limits_the_draw() -> None:
     """Only tokens whose bit is set in the llguidance bitmask can be drawn, greedy or sampled."""
     vocab = 70
