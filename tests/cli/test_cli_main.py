@@ -73,9 +73,8 @@ def test_backends_table(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureF
     assert [row[0] for row in lines[1:]] == ["llm", "diffusion", "broken", "dup", "good"]
     rows = {row[0]: row for row in lines[1:]}
     assert rows["llm"][:5] == ["llm", "built-in", "1", "no", "ok:"] and "OpenAI API" in " ".join(rows["llm"])
-    # The diffusion row says that it cannot serve yet, not a plain "ok".
     assert rows["diffusion"][:5] == ["diffusion", "built-in", "1", "yes", "ok:"]
-    assert "cannot serve them yet" in " ".join(rows["diffusion"])
+    assert "OpenAI Images API" in " ".join(rows["diffusion"])
     assert rows["good"] == ["good", "good-dist", "1", "yes", "ok"]
     broken = captured.out.splitlines()[3]
     assert "broken-dist" in broken
@@ -149,11 +148,22 @@ def test_generate_shuts_engine_down_on_failure(fake_engine: list[Any], monkeypat
     assert capsys.readouterr().err == "Error: ValueError: bad\n"
 
 
-def test_generate_refuses_non_llm_models(fake_engine: list[Any], tmp_path: Path,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "model_index.json").write_text(json.dumps({"_diffusers_version": "0.30.0"}))
+def test_generate_refuses_models_of_plugin_backends(fake_engine: list[Any], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    eps = [EP("mine", lambda: _backend(detect=lambda r: ServeBackendDetection.MATCH), "mine-dist")]
+    monkeypatch.setattr(sb, "_default_registry", ServeBackendRegistry(entry_points=eps))
     assert main(["generate", "--model-path", str(tmp_path), "--prompt", "a cat"]) == 1
     assert capsys.readouterr().err == f"Error: Generate subcommand is not yet supported for model: {tmp_path}\n"
+    assert fake_engine == []
+
+
+def test_generate_routes_diffusers_folders_to_the_diffusion_backend(fake_engine: list[Any], tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_diffusers_version": "0.30.0"}))
+    assert main(["generate", "--model-path", str(tmp_path), "--prompt", "a cat"]) == 1
+    assert capsys.readouterr().err == (f"Error: {tmp_path} is not a diffusers pipeline folder: no model_index.json "
+                                       "naming its pipeline class (_class_name)\n")
     assert fake_engine == []
 
 

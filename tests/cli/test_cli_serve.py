@@ -321,7 +321,7 @@ def test_real_builtin_help_end_to_end(monkeypatch: pytest.MonkeyPatch, capsys: p
     assert main(["serve", "--help"]) == 0
     out = capsys.readouterr().out
     assert "=== backend: llm ===" in out and "=== backend: diffusion ===" in out
-    assert "--chunked-prefill-size" in out and "not implemented yet" in out
+    assert "--chunked-prefill-size" in out and "/v1/images/generations" in out
 
 
 # ------------------------------------------------------------------ child process cleanup

@@ -91,19 +91,44 @@ def test_diffusion_backend_contract() -> None:
     assert backend.detect is diffusion.detect
 
 
-def test_diffusion_help_says_not_implemented(capsys: pytest.CaptureFixture[str]) -> None:
-    diffusion.run(ServeRequest(argv=("--help",)))
-    out = capsys.readouterr().out
-    assert "usage: servelm serve --model-type diffusion" in out
-    assert "not implemented yet" in out
+def test_diffusion_help_lists_its_options_and_imports_no_runtime() -> None:
+    code = (
+        "import sys\n"
+        "from servelm.backends import diffusion\n"
+        "from servelm.cli.serve_backends import ServeRequest\n"
+        "diffusion.run(ServeRequest(argv=('--help',)))\n"
+        "print([m for m in ('diffusers', 'torch', 'servelm.diffusion.runtime', 'servelm.diffusion.server') "
+        "if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("usage: servelm serve --model-type diffusion")
+    for option in ("--model-path", "--max-batch-size", "--max-queued-requests", "--api-key", "/v1/images/edits"):
+        assert option in out
+    assert out.rstrip().endswith("[]")
 
 
-def test_diffusion_run_exits_1_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        diffusion.run(req("/models/sd"))
-    assert info.value.code == 1
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "diffusion serving is not implemented yet" in err
+@pytest.mark.parametrize(("files", "message"), [
+    ({}, "is not a diffusers pipeline folder: no model_index.json"),
+    ({"model_index.json": json.dumps({"_diffusers_version": "0.30.0"})}, "naming its pipeline class"),
+])
+def test_diffusion_run_refuses_a_folder_that_is_not_a_pipeline(tmp_path: Path, files: dict[str, str],
+                                                               message: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(CliError, match=message):
+        diffusion.run(req(tmp_path))
+    with pytest.raises(CliError, match="is not a local folder"):
+        diffusion.run(req(tmp_path / "missing"))
+
+
+def test_diffusion_without_diffusers_says_how_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    real = diffusion.importlib.util.find_spec
+    monkeypatch.setattr(diffusion.importlib.util, "find_spec", lambda name: None if name == "diffusers" else real(name))
+    with pytest.raises(CliError) as info:
+        diffusion.run(req(tmp_path))
+    assert str(info.value) == ("The diffusion backend needs diffusers, Pillow and python-multipart "
+                               "(missing: diffusers): pip install 'servelm[diffusion]'")
 
 
 # ------------------------------------------------------------ llm
