@@ -7,10 +7,11 @@ the offline Engine raises it to the caller.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import regex
 
 
 class SamplingParamsError(ValueError):
@@ -120,8 +121,8 @@ class SamplingParams:
                 bad("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
         for pattern in self.stop_regex:
             try:
-                re.compile(pattern)
-            except (re.error, TypeError) as exc:
+                regex.compile(pattern)
+            except (regex.error, TypeError) as exc:
                 bad("stop_regex", f"stop_regex: not a valid regular expression: {pattern!r} ({exc})")
         self.grammar()
 

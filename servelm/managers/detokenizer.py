@@ -8,18 +8,25 @@ one, waiting while the text ends in an incomplete character (U+FFFD).
 
 from __future__ import annotations
 
-import re
+import logging
 from typing import TYPE_CHECKING
+
+import regex
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+# A client's stop_regex runs in the scheduler loop: a pathological pattern (catastrophic backtracking) gets
+# this long per search (the `regex` module's timeout), then is dropped rather than stall every request.
+STOP_REGEX_TIMEOUT_S = 0.05
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str] | None = None,
                  skip_special_tokens: bool = True, stop_regex: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.stop_regex = [re.compile(p) for p in stop_regex or []]
+        self.stop_regex = [regex.compile(p) for p in stop_regex or []]
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
@@ -67,9 +74,14 @@ class IncrementalDetokenizer:
 
     def _check_stop_regex(self) -> str | None:
         """SGLang's stop_regex: the pattern the text now matches; the match is kept in the text (as SGLang)."""
-        for pattern in self.stop_regex:
-            if pattern.search(self.text):
-                return pattern.pattern
+        for pattern in list(self.stop_regex):
+            try:
+                if pattern.search(self.text, timeout=STOP_REGEX_TIMEOUT_S):
+                    return pattern.pattern
+            except TimeoutError:
+                logger.warning("stop_regex %r took over %.2f s on %d characters: no longer checked",
+                               pattern.pattern, STOP_REGEX_TIMEOUT_S, len(self.text))
+                self.stop_regex.remove(pattern)
         return None
 
     def take(self, finished: bool) -> str:

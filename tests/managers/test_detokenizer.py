@@ -70,3 +70,13 @@ def test_special_tokens_are_skipped_or_kept() -> None:
             detok.add(token)
         detok.flush()
         assert detok.take(True) == expected
+
+
+def test_stop_regex_keeps_the_match_and_drops_a_pathological_pattern() -> None:
+    detok = IncrementalDetokenizer(ByteTokenizer(), stop_regex=["[0-9]{2}"])  # type: ignore[arg-type]
+    pieces, stop = feed(detok, "ab1c23def")
+    assert stop == "[0-9]{2}" and "".join(pieces) == "ab1c23"  # the match stays in the text, as SGLang's
+    # Catastrophic backtracking is cut off by the timeout: the pattern is dropped, the request goes on.
+    slow = IncrementalDetokenizer(ByteTokenizer(), stop_regex=["(x+x+)+y"])  # type: ignore[arg-type]
+    slow.text = "x" * 5000
+    assert slow._check_stop_regex() is None and slow.stop_regex == []
