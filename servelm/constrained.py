@@ -103,12 +103,12 @@ def grammar_of(json_schema: str | None, regex: str | None, ebnf: str | None = No
     elif regex is not None:
         grammar = LLMatcher.grammar_from_regex(regex)
     else:
-        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        from llguidance.gbnf_to_lark import any_to_lark
 
         try:
             grammar = LLMatcher.grammar_from_lark(any_to_lark(ebnf))  # type: ignore[arg-type]
-        except (GbnfToLarkError, ValueError) as exc:
-            raise ValueError(f"ebnf: {str(exc).strip().splitlines()[0]}") from None
+        except Exception as exc:  # the GBNF converter raises plain Exceptions too (e.g. no root rule)
+            raise ValueError(f"ebnf: {(str(exc).strip().splitlines() or ['not a valid grammar'])[0]}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{param}: {error.strip().splitlines()[0]}")

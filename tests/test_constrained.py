@@ -51,6 +51,8 @@ def test_ebnf_in_lark_or_gbnf_and_its_errors() -> None:
     assert "start" in grammar_of(None, None, 'root ::= "yes" | "no"')  # GBNF (SGLang, vLLM) becomes Lark
     with pytest.raises(ValueError, match=r"^ebnf: .*unknown name"):
         grammar_of(None, None, "start: nope")
+    with pytest.raises(ValueError, match=r"^ebnf: No 'root' rule found"):
+        grammar_of(None, None, "")
     with pytest.raises(ValueError, match="give at most one of json_schema, regex and ebnf"):
         grammar_of(None, "a", "start: \"a\"")
 
