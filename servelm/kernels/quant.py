@@ -75,13 +75,17 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     n, k = int(shape[0]), int(shape[1])
     kb = -(-k // BLOCK)
     bpb = bytes_per_block(fmt)
-    arr = np.ascontiguousarray(np.asarray(raw).view(np.uint8)).reshape(n, -1)
+    arr = np.asarray(raw).view(np.uint8).reshape(n, -1)
     if arr.shape[1] != kb * bpb:
         raise ValueError(f"{fmt} weight of shape {shape}: expected {kb * bpb} bytes per row, got {arr.shape[1]}")
-    blocks = torch.from_numpy(arr).view(n, kb, bpb)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).view(n, kb)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).view(n, kb) if fmt == "q4_1" else None
-    qs = blocks[..., _HEADER[fmt]:].contiguous()
+    blocks = arr.reshape(n, kb, bpb)  # may be a read-only memory map: each field is copied out once
+
+    def field(lo: int, hi: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:hi]))
+
+    d = field(0, 2).view(torch.float16).view(n, kb)
+    m = field(2, 4).view(torch.float16).view(n, kb) if fmt == "q4_1" else None
+    qs = field(_HEADER[fmt], bpb)
     if fmt == "q8_0":
         qs = qs.view(torch.int8)
     return QuantWeight(fmt, (n, k), qs, d, m)

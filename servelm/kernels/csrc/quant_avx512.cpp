@@ -1,8 +1,12 @@
-// AVX-512F kernel: rows dequantised into an fp32 tile (exactly gguf's values), then a 4 x 6 register-blocked
-// dot-product micro-kernel, 16 lanes per accumulator, one `_mm512_reduce_add_ps` per output element.
+// AVX-512F kernel, outer-product form: 64 weight rows (= output columns) at a time are dequantised into a
+// [k][64] fp32 tile (exactly gguf's values; dword permutes put one k of 16 rows in one vector), then
+// acc[m][n..n+16] = fma(x[m][k], w[k][n..n+16], acc) for k = 0, 1, ... in order. Each output element is that
+// one sequential fp32 sum (plus the bias, last), whatever M is: few rows keep the accumulators in registers
+// across K (dequantising one block at a time into L1), many rows run a 6 x 64 micro-kernel over the tile.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "quant_common.h"
 
@@ -12,85 +16,199 @@
 namespace servelm_quant {
 namespace avx512 {
 
-constexpr int MR = 4;
-constexpr int NR = 6;
+constexpr int kTile = 64;  // weight rows per tile: 4 vectors of 16
+constexpr int kGroups = kTile / 16;
+constexpr int kMr = 6;     // rows of x per micro-kernel call
 
-// fp32 scales of blocks [b0, b0 + 16) of one row (fewer at the row's end).
-static inline void scales16(const uint16_t* h, int64_t count, float* out) {
-  alignas(32) uint16_t tmp[16] = {0};
-  std::memcpy(tmp, h, static_cast<size_t>(count) * 2);
-  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tmp))));
+// 16 rows x 16 bytes -> out[c] (c = 0..3): dword i = bytes 4c..4c+3 of row i. Rows go four to a register,
+// then eight two-source dword permutes regroup them (instead of 64 byte unpacks).
+static inline void regroup16(const uint8_t* const rows[16], __m512i out[4]) {
+  __m512i a[4];
+  for (int r = 0; r < 4; ++r) {
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r])));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 1])), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 2])), 2);
+    a[r] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 3])), 3);
+  }
+  // rows 0..7 (a[0], a[1]) or 8..15 (a[2], a[3]): [col 0 of the 8 rows, col 1] and [col 2, col 3]
+  const __m512i cols01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
+  const __m512i cols23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i lo01 = _mm512_permutex2var_epi32(a[0], cols01, a[1]);
+  const __m512i lo23 = _mm512_permutex2var_epi32(a[0], cols23, a[1]);
+  const __m512i hi01 = _mm512_permutex2var_epi32(a[2], cols01, a[3]);
+  const __m512i hi23 = _mm512_permutex2var_epi32(a[2], cols23, a[3]);
+  out[0] = _mm512_permutex2var_epi32(lo01, first, hi01);
+  out[1] = _mm512_permutex2var_epi32(lo01, second, hi01);
+  out[2] = _mm512_permutex2var_epi32(lo23, first, hi23);
+  out[3] = _mm512_permutex2var_epi32(lo23, second, hi23);
 }
 
-static inline __m512 nibbles_to_ps(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
+// Per tile: fp32 scales (and mins) transposed to [block][64 rows]; rows past N get zeros.
+struct TileScales {
+  std::vector<float> d, m;
+  void load(const QWeight& w, int64_t t0) {
+    const int64_t kb = w.KB;
+    d.assign(kb * kTile, 0.0f);
+    if (w.m) m.assign(kb * kTile, 0.0f);
+    std::vector<float> row(kb + 16);
+    for (int r = 0; r < kTile && t0 + r < w.N; ++r) {
+      for (int pass = 0; pass < (w.m ? 2 : 1); ++pass) {
+        const uint16_t* h = (pass ? w.m : w.d) + (t0 + r) * kb;
+        float* dst = pass ? m.data() : d.data();
+        int64_t c = 0;
+        for (; c + 16 <= kb; c += 16)
+          _mm512_storeu_ps(row.data() + c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c))));
+        for (; c < kb; ++c) row[c] = half_to_float(h[c]);
+        for (int64_t b = 0; b < kb; ++b) dst[b * kTile + r] = row[b];
+      }
+    }
+  }
+};
 
-static void dequant_row(const QWeight& w, int64_t n, float* out) {
+static inline void store_ps(float* o, __m512i q, __m512 dv, const __m512* mv) {
+  __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
+  _mm512_storeu_ps(o, mv ? _mm512_add_ps(f, *mv) : f);
+}
+
+// Block b of the tile's rows, dequantised into out[k][64] (k = 0..31 of the block, row stride kTile).
+static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileScales& sc, float* out) {
+  alignas(64) static const uint8_t zeros[32] = {0};
   const int64_t kb = w.KB;
-  const uint16_t* d = w.d + n * kb;
-  const uint16_t* m = w.m ? w.m + n * kb : nullptr;
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  alignas(64) float ds[16], ms[16];
-  for (int64_t c = 0; c < kb; c += 16) {
-    const int64_t cnt = std::min<int64_t>(16, kb - c);
-    scales16(d + c, cnt, ds);
-    if (m) scales16(m + c, cnt, ms);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int64_t b = c + i;
-      const __m512 dv = _mm512_set1_ps(ds[i]);
-      float* o = out + b * kBlock;
-      if (w.fmt == Q8_0) {
-        const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + b * 32 + n * kb * 32;
-        const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-        const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
-        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), dv));
-        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), dv));
-        continue;
+  const int64_t payload = w.fmt == Q8_0 ? 32 : 16;
+  const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+  for (int g = 0; g < kGroups; ++g) {
+    const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
+    const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
+    float* o = out + g * 16;
+    for (int half = 0; half < payload / 16; ++half) {
+      const uint8_t* rows[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t n = t0 + g * 16 + i;
+        rows[i] = n < w.N ? w.qs + (n * kb + b) * payload + half * 16 : zeros;
       }
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
-      __m128i lo = _mm_and_si128(raw, low4);
-      __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-      if (w.fmt == Q4_0) {
-        const __m128i eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(lo, eight);
-        hi = _mm_sub_epi8(hi, eight);
-        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), dv));
-        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), dv));
-      } else {
-        const __m512 mv = _mm512_set1_ps(ms[i]);
-        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(nibbles_to_ps(lo), dv), mv));
-        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(nibbles_to_ps(hi), dv), mv));
+      __m512i cols[4];
+      regroup16(rows, cols);
+      for (int j = 0; j < 16; ++j) {
+        const __m512i v = cols[j / 4];
+        const int s = 8 * (j % 4);
+        if (w.fmt == Q8_0) {  // signed byte j of each row
+          const __m512i q = _mm512_srai_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - s)), 24);
+          store_ps(o + (half * 16 + j) * kTile, q, dv, nullptr);
+          continue;
+        }
+        const __m512i sv = _mm512_srl_epi32(v, _mm_cvtsi32_si128(s));
+        __m512i lo = _mm512_and_si512(sv, low4), hi = _mm512_and_si512(_mm512_srli_epi32(sv, 4), low4);
+        if (w.fmt == Q4_0) {
+          lo = _mm512_sub_epi32(lo, eight);
+          hi = _mm512_sub_epi32(hi, eight);
+        }
+        store_ps(o + j * kTile, lo, dv, w.m ? &mv : nullptr);
+        store_ps(o + (j + 16) * kTile, hi, dv, w.m ? &mv : nullptr);
       }
     }
   }
 }
 
-template <int R, int C>
-static inline void micro(const float* x, int64_t kp, const float* w, float* y, int64_t ldy, const float* bias) {
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 16) {
-    __m512 xv[R];
-    for (int i = 0; i < R; ++i) xv[i] = _mm512_loadu_ps(x + i * kp + k);
-    for (int j = 0; j < C; ++j) {
-      const __m512 wv = _mm512_loadu_ps(w + j * kp + k);
-      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+// acc[i][v] += x[i][k] * w[k][16v..16v+16] for k in [k0, k1), in order.
+template <int R>
+static inline void fma_rows(const float* x, int64_t kp, const float* w, int64_t k0, int64_t k1, __m512 (&acc)[R][4]) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* wk = w + (k - k0) * kTile;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    const __m512 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xb = _mm512_set1_ps(x[i * kp + k]);
+      acc[i][0] = _mm512_fmadd_ps(xb, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(xb, w1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(xb, w2, acc[i][2]);
+      acc[i][3] = _mm512_fmadd_ps(xb, w3, acc[i][3]);
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
-      y[i * ldy + j] = bias ? s + bias[j] : s;
-    }
 }
 
-#include "quant_driver.inc"
+template <int R>
+static inline void store_rows(__m512 (&acc)[R][4], float* y, int64_t ldy, const float* bias, int64_t cols) {
+  for (int v = 0; v < 4; ++v) {
+    const int64_t c = std::clamp<int64_t>(cols - v * 16, 0, 16);
+    const __mmask16 mask = static_cast<__mmask16>((1u << c) - 1u);
+    if (!mask) break;
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + v * 16) : _mm512_setzero_ps();
+    for (int i = 0; i < R; ++i)
+      _mm512_mask_storeu_ps(y + i * ldy + v * 16, mask, bias ? _mm512_add_ps(acc[i][v], bv) : acc[i][v]);
+  }
+}
+
+// Few rows: accumulators stay in registers across all of K; one block of the tile at a time in L1.
+template <int R>
+static void tile_few_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
+                          const float* bias) {
+  const int64_t kp = w.KB * kBlock;
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < w.KB; ++b) {
+    dequant_block(w, t0, b, sc, blk);
+    fma_rows<R>(x, kp, blk, b * kBlock, (b + 1) * kBlock, acc);
+  }
+  store_rows<R>(acc, y + t0, w.N, bias ? bias + t0 : nullptr, w.N - t0);
+}
+
+template <int R>
+static void rows_over_tile(const float* x, int64_t kp, const float* tile, float* y, int64_t ldy, const float* bias,
+                           int64_t cols) {
+  __m512 acc[R][4];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
+  fma_rows<R>(x, kp, tile, 0, kp, acc);
+  store_rows<R>(acc, y, ldy, bias, cols);
+}
+
+static void few_rows(int r, const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
+                     const float* bias) {
+  switch (r) {
+    case 1: tile_few_rows<1>(x, w, sc, t0, blk, y, bias); break;
+    case 2: tile_few_rows<2>(x, w, sc, t0, blk, y, bias); break;
+    case 3: tile_few_rows<3>(x, w, sc, t0, blk, y, bias); break;
+    case 4: tile_few_rows<4>(x, w, sc, t0, blk, y, bias); break;
+    case 5: tile_few_rows<5>(x, w, sc, t0, blk, y, bias); break;
+    default: tile_few_rows<6>(x, w, sc, t0, blk, y, bias); break;
+  }
+}
+
+static void many_rows(int r, const float* x, int64_t kp, const float* tile, float* y, int64_t ldy, const float* bias,
+                      int64_t cols) {
+  switch (r) {
+    case 1: rows_over_tile<1>(x, kp, tile, y, ldy, bias, cols); break;
+    case 2: rows_over_tile<2>(x, kp, tile, y, ldy, bias, cols); break;
+    case 3: rows_over_tile<3>(x, kp, tile, y, ldy, bias, cols); break;
+    case 4: rows_over_tile<4>(x, kp, tile, y, ldy, bias, cols); break;
+    case 5: rows_over_tile<5>(x, kp, tile, y, ldy, bias, cols); break;
+    default: rows_over_tile<6>(x, kp, tile, y, ldy, bias, cols); break;
+  }
+}
 
 }  // namespace avx512
 
+// Tiles of 64 rows starting at n0 (n0 a multiple of 64) up to n1; `buf` holds KB * 32 * 64 floats.
 void gemm_avx512(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1,
-                 float* buf, int64_t nb) {
-  avx512::gemm_tiles(x, M, w, bias, y, n0, n1, buf, nb);
+                 float* buf, int64_t /*nb*/) {
+  using namespace avx512;
+  const int64_t kp = w.KB * kBlock;
+  TileScales sc;
+  for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+    sc.load(w, t0);
+    if (M <= kMr) {
+      few_rows(static_cast<int>(M), x, w, sc, t0, buf, y, bias);
+      continue;
+    }
+    for (int64_t b = 0; b < w.KB; ++b) dequant_block(w, t0, b, sc, buf + b * kBlock * kTile);
+    for (int64_t m0 = 0; m0 < M; m0 += kMr) {
+      const int r = static_cast<int>(std::min<int64_t>(kMr, M - m0));
+      many_rows(r, x + m0 * kp, kp, buf, y + m0 * w.N + t0, w.N, bias ? bias + t0 : nullptr, std::min(n1, w.N) - t0);
+    }
+  }
 }
 
 }  // namespace servelm_quant

@@ -34,8 +34,9 @@ GemmFn gemm_for(int64_t isa) {
 }
 
 // Weight rows dequantised per tile: an L1-sized tile for a few rows of x (decode), an L2-sized one for
-// prefill; never fewer tiles than ~4 per thread so the pool stays balanced. Numerics do not depend on it.
-int64_t rows_per_tile(int64_t M, int64_t N, int64_t kp) {
+// prefill (the AVX-512 kernel has fixed 64-row tiles); never fewer tiles than ~4 per thread so the pool stays balanced. Numerics do not depend on it.
+int64_t rows_per_tile(int64_t M, int64_t N, int64_t kp, int64_t isa) {
+  if (isa == kAvx512) return 64;  // its own tile width
   const int64_t budget = M <= 8 ? (32 << 10) : (256 << 10);
   int64_t nb = std::clamp<int64_t>(budget / (kp * 4), 12, 96) / 12 * 12;
   const int64_t per_thread = (N + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
@@ -64,7 +65,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const QWeight w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, N, KB, static_cast<Fmt>(fmt)};
   const GemmFn fn = gemm_for(isa);
-  const int64_t nb = rows_per_tile(M, N, kp);
+  const int64_t nb = rows_per_tile(M, N, kp, isa);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t t0, int64_t t1) {

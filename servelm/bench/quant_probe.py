@@ -1,0 +1,130 @@
+"""Quantised-weight matmul probe (issue 13): time per call of each candidate on this CPU.
+
+For the default model's linear shapes and a range of batch rows M, times fp32 oneDNN with a pre-packed
+weight (servelm's fp32 path), torch's weight-only int8 (`_weight_int8pack_mm`) and int4
+(`_weight_int4pack_mm_for_cpu`, groups of 32) where this torch has them, and servelm's own kernel
+(`servelm.kernels.quant.linear`) per ggml format. Medians in microseconds; prints a markdown table.
+
+    python -m servelm.bench.quant_probe [--m 1,4,16,64,256] [--formats q8_0,q4_0,q4_1] [--isa avx2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from servelm.kernels import quant
+from servelm.layers.linear import packed_linear, prepack_weight
+
+# (name, N out, K in) of SmolLM2-135M: q/o, k/v, gate/up, down, the LM head.
+DEFAULT_SHAPES = [("q_proj/o_proj", 576, 576), ("k_proj/v_proj", 192, 576), ("gate/up", 1536, 576),
+                  ("down_proj", 576, 1536), ("lm_head", 49152, 576)]
+
+
+def time_us(fn: Callable[[torch.Tensor], object], x: torch.Tensor, min_s: float = 0.2, max_reps: int = 50) -> float:
+    """Median microseconds of `fn(x)` (after one warm-up call), at least 3 and at most `max_reps` calls."""
+    fn(x)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (len(times) < max_reps and time.perf_counter() - start < min_s):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def torch_int8(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    op = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+    if op is None:
+        return None
+    scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127
+    q = torch.round(w / scales[:, None]).to(torch.int8)
+    return lambda x: op(x, q, scales)
+
+
+def torch_int4(w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+    if op is None or w.shape[1] % 32:
+        return None
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    # torch's int4 zero point is the value of code 8: w = (q - 8) * scale + zero
+    zeros = lo + 8 * scale
+    scale_zeros = torch.stack([scale.T, zeros.T], dim=-1).contiguous()
+    return lambda x: op(x, packed, 32, scale_zeros)
+
+
+def candidates(w: torch.Tensor, formats: list[str]) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    packed = prepack_weight(w)
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"fp32 oneDNN": lambda x: packed_linear(x, packed, None)}
+    for name, make in (("torch int8", torch_int8), ("torch int4", torch_int4)):
+        fn = make(w)
+        if fn is not None:
+            out[name] = fn
+    for fmt in formats:
+        qw = quant.quantize(w, fmt)
+        out[f"ours {fmt}"] = lambda x, qw=qw: quant.linear(x, qw)
+    return out
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m servelm.bench.quant_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--m", default="1,4,16,64,256", help="Rows of x (batch tokens), comma-separated.")
+    parser.add_argument("--formats", default=",".join(quant.FORMATS))
+    parser.add_argument("--isa", default=None, help="Force the kernel path (scalar, avx2, avx512, torch).")
+    parser.add_argument("--shapes", default=None, help="Only these shape names (comma-separated).")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own).")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.isa:
+        os.environ[quant.FORCE_ENV] = args.isa
+    ms = [int(v) for v in args.m.split(",")]
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    shapes = [s for s in DEFAULT_SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    torch.manual_seed(0)
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"kernel path: {quant.kernel_backend()}; median us per call")
+    header = None
+    for name, n, k in shapes:
+        fns = candidates(torch.randn(n, k) * 0.05, formats)
+        if header is None:
+            header = ["shape", "M", *fns]
+            print("| " + " | ".join(header) + " |")
+            print("|" + "---|" * len(header))
+        for m in ms:
+            x = torch.randn(m, k)
+            base = time_us(fns["fp32 oneDNN"], x)
+            cells = [f"{base:.0f}"]
+            for label, fn in fns.items():
+                if label != "fp32 oneDNN":
+                    t = time_us(fn, x)
+                    cells.append(f"{t:.0f} ({base / t:.2f}x)")
+            print(f"| {name} {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""servelm.kernels.quant: the C++ kernel (each ISA this CPU has, and the scalar path) and the torch fallback
+against a plain dequantise-then-matmul reference; ggml block compatibility; batch invariance; row/column ops."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from servelm.kernels import build, quant
+
+GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def _kernel_paths() -> list[str]:
+    best = quant.kernel_backend() if quant.build.load_quant_ops() else "torch"
+    return ["torch"] if best == "torch" else list(ISAS[: ISAS.index(best) + 1])
+
+
+PATHS = _kernel_paths() + (["torch"] if _kernel_paths() != ["torch"] else [])
+KERNELS = [p for p in PATHS if p != "torch"]
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    monkeypatch.setenv(quant.FORCE_ENV, request.param)
+    assert quant.kernel_backend() == request.param
+    return request.param
+
+
+def _weight(n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, quant.QuantWeight]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.1
+    return w, quant.quantize(w, fmt)
+
+
+def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> None:
+    w = quant.dequantize(qw).double()
+    ref = x.double() @ w.T + (bias.double() if bias is not None else 0)
+    bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
+    assert y.dtype == torch.float32 and y.shape == ref.shape
+    assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_linear_matches_dequantised_matmul(path, fmt):
+    g = torch.Generator().manual_seed(1)
+    for n, k in ((67, 70), (131, 96), (13, 575)):  # N odd, K not a multiple of 32 (padded by quantize)
+        _, qw = _weight(n, k, fmt, seed=n)
+        bias = torch.randn(n, generator=g)
+        for m in (1, 2, 3, 5, 6, 7, 13, 37, 70):
+            x = torch.randn(m, k, generator=g)
+            _check_close(quant.linear(x, qw, bias if m % 2 else None), x, qw, bias if m % 2 else None)
+    x3 = torch.randn(2, 3, 70, generator=g)  # leading dims kept
+    assert quant.linear(x3, _weight(67, 70, fmt)[1]).shape == (2, 3, 67)
+
+
+@pytest.mark.parametrize("path", KERNELS, indirect=True)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_kernel_dequantises_exactly(path, fmt):
+    """x = identity: each output is one weight times 1 plus zeros, so the kernel's own dequantised values show."""
+    _, qw = _weight(77, 70, fmt, seed=3)
+    y = quant.linear(torch.eye(70), qw)
+    assert torch.equal(y, quant.dequantize(qw).T)
+
+
+@pytest.mark.parametrize("path", KERNELS, indirect=True)
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_linear_is_batch_invariant(path, fmt):
+    """Row m is bitwise the same alone, in a batch of 37 with other rows, and with 1 or 2 threads."""
+    assert quant.batch_invariant()
+    g = torch.Generator().manual_seed(2)
+    _, qw = _weight(200, 576, fmt, seed=4)
+    bias = torch.randn(200, generator=g)
+    x = torch.randn(37, 576, generator=g)
+    full = quant.linear(x, qw, bias)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for m in (0, 5, 36):
+            assert torch.equal(quant.linear(x[m: m + 1], qw, bias), full[m: m + 1])
+        other = torch.cat([x[:3], torch.randn(30, 576, generator=g) * 100])
+        assert torch.equal(quant.linear(other, qw, bias)[:3], full[:3])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_quantize_is_ggml_reference_and_round_trips_blocks(fmt):
+    w, qw = _weight(9, 70, fmt)
+    padded = torch.nn.functional.pad(w, (0, 26)).numpy()
+    assert np.array_equal(quant.to_gguf(qw), gguf_quantize(padded, GGML[fmt]))
+    expected = gguf_dequantize(quant.to_gguf(qw), GGML[fmt])[:, :70]
+    assert np.array_equal(quant.dequantize(qw).numpy(), expected)
+    again = quant.from_gguf(quant.to_gguf(qw), fmt, (9, 70))
+    assert torch.equal(again.qs, qw.qs) and torch.equal(again.d, qw.d)
+    assert qw.nbytes == 9 * 3 * quant.bytes_per_block(fmt)
+
+
+def test_from_gguf_real_blocks_of_the_default_model():
+    from servelm.model_loader.default_model import default_model_path
+
+    reader = GGUFReader(default_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    for name, fmt in (("blk.0.ffn_down.weight", "q4_1"), ("blk.3.attn_q.weight", "q4_1"),
+                      ("token_embd.weight", "q8_0")):
+        t = tensors[name]
+        raw = np.asarray(t.data[:50])  # 50 rows of ggml blocks
+        k = int(t.shape[0])
+        qw = quant.from_gguf(raw, fmt, (50, k))
+        assert qw.fmt == fmt and qw.shape == (50, k)
+        assert np.array_equal(quant.dequantize(qw).numpy(), gguf_dequantize(raw, t.tensor_type))
+        ids = torch.tensor([[0, 7], [49, 3]])
+        assert torch.equal(quant.embedding(ids, qw), quant.dequantize(qw)[ids])
+    q4_0_raw = gguf_quantize(gguf_dequantize(np.asarray(tensors["blk.0.attn_k.weight"].data[:20]),
+                                             GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_0)
+    qw = quant.from_gguf(q4_0_raw, "q4_0", (20, 576))
+    assert np.array_equal(quant.dequantize(qw).numpy(), gguf_dequantize(q4_0_raw, GGMLQuantizationType.Q4_0))
+
+
+def test_bad_input_is_a_clear_error():
+    _, qw = _weight(8, 64, "q4_1")
+    with pytest.raises(ValueError, match="unknown quantisation format"):
+        quant.quantize(torch.zeros(2, 32), "q5_k")
+    with pytest.raises(ValueError, match="bytes per row"):
+        quant.from_gguf(np.zeros((8, 39), np.uint8), "q4_1", (8, 64))
+    with pytest.raises(ValueError, match="features"):
+        quant.linear(torch.zeros(1, 63), qw)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        quant.narrow_cols(qw, 16, 32)
+    with pytest.raises(ValueError, match="outside"):
+        quant.narrow_rows(qw, 4, 5)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_row_and_column_operations(fmt):
+    _, qw = _weight(10, 100, fmt)
+    full = quant.dequantize(qw)
+    parts = [quant.narrow_rows(qw, 0, 3), quant.narrow_rows(qw, 3, 7)]
+    assert torch.equal(quant.dequantize(parts[0]), full[:3])
+    back = quant.cat_rows(parts)
+    assert back.shape == qw.shape and torch.equal(quant.dequantize(back), full)
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    permuted = quant.permute_rows(qw, perm)
+    assert torch.equal(quant.dequantize(permuted), full[perm])
+    assert torch.equal(quant.dequantize(quant.permute_rows(permuted, torch.argsort(perm))), full)
+    left, right = quant.narrow_cols(qw, 0, 64), quant.narrow_cols(qw, 64, 36)  # the tail may end off-block
+    assert torch.equal(quant.dequantize(left), full[:, :64]) and torch.equal(quant.dequantize(right), full[:, 64:])
+    x = torch.randn(4, 100)
+    split = quant.linear(x[:, :64], left) + quant.linear(x[:, 64:], right)  # row-parallel TP: partial sums
+    torch.testing.assert_close(split, quant.linear(x, qw), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="differ"):
+        quant.cat_rows([qw, quant.narrow_cols(qw, 0, 64)])
+
+
+def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(build, "_missing_tools", lambda: "no C++ compiler (c++) on PATH")
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        assert build.load_quant_ops.__wrapped__() is False
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "torch path" in lines[0] and "no C++ compiler" in lines[0]
+
+
+def test_forcing_a_path():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(quant.FORCE_ENV, "torch")
+        assert quant.kernel_backend() == "torch" and not quant.batch_invariant()
+        mp.setenv(quant.FORCE_ENV, "avx9000")
+        if KERNELS:
+            with pytest.raises(ValueError, match="expected one of"):
+                quant.kernel_backend()
