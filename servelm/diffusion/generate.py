@@ -13,6 +13,8 @@ from servelm.diffusion.config import DTYPES
 from servelm.diffusion.protocol import MAX_IMAGES, parse_size
 from servelm.entrypoints.http_common import ApiError
 
+MAX_SIDE = 8192
+
 
 def build_parser() -> StrictArgumentParser:
     parser = StrictArgumentParser(
@@ -54,15 +56,23 @@ def file_stem(prompt: str, seed: int, index: int) -> str:
     return f"{slug}-seed{seed}-{index}"
 
 
+def _size(size: str | None) -> tuple[int, int] | None:
+    try:
+        return None if size is None else parse_size(size, (0, 0), MAX_SIDE)
+    except ApiError as exc:
+        raise CliError(f"--{exc.message}") from None
+
+
 def generate_images(ns: argparse.Namespace) -> int:
     _checked(ns)
+    size = _size(ns.size)  # before the load: a typo costs nothing
     from servelm.diffusion.runtime import DiffusionRuntime, ImageJob, PipelineLoadError
 
     try:
         runtime = DiffusionRuntime.load(ns.model_path, ns.device, ns.dtype, ns.num_threads)
-        width, height = parse_size(ns.size, runtime.default_size, 1 << 16)
-    except (PipelineLoadError, ApiError) as exc:
-        raise CliError(str(exc).removeprefix("size: ")) from None
+    except PipelineLoadError as exc:
+        raise CliError(str(exc)) from None
+    width, height = size or runtime.default_size
     seed = ns.seed if ns.seed is not None else random.randrange(2**31)
     guidance = ns.guidance_scale if ns.guidance_scale is not None else runtime.default_guidance
     job = ImageJob(prompt=ns.prompt, n=ns.n, width=width, height=height, steps=ns.steps or runtime.default_steps,
