@@ -10,6 +10,7 @@ BENCHES = {
     "serving": "servelm.bench.serving",
     "allreduce": "servelm.bench.allreduce",
     "deterministic": "servelm.bench.deterministic",
+    "images": "servelm.bench.images",
 }
 
 
