@@ -309,3 +309,22 @@ def test_bad_edits_are_400(server: ServerProcess) -> None:
         error = response.json()["error"]
         assert error["param"] == param and text in error["message"], error
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+# ---------------------------------------------------------------- benchmark
+def test_bench_images_against_the_running_server(server: ServerProcess, tiny_sd: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from servelm.bench.images import main as bench_main
+
+    out = tmp_path / "bench.jsonl"
+    assert bench_main(["--model-path", str(tiny_sd), "--base-url", server.base_url, "--api-key", KEY,
+                       "--concurrency", "4", "--num-requests", "4", "--steps", "2", "--size", "32x32",
+                       "--num-threads", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "diffusers, one at a time" in text and "servelm, concurrency 4" in text and "ratio" in text
+    result = json.loads(out.read_text())
+    for side in ("baseline", "server"):
+        assert result[side]["images_per_s"] > 0 and result[side]["s_per_step"] > 0
+    assert result["server"]["mean_batch_images"] >= 1 and result["ratio"] > 0
