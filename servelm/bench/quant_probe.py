@@ -11,7 +11,6 @@ weight (servelm's fp32 path), torch's weight-only int8 (`_weight_int8pack_mm`) a
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import time
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.isa:
-        os.environ[quant.FORCE_ENV] = args.isa
+        quant.force_backend(args.isa)
     ms = [int(v) for v in args.m.split(",")]
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     shapes = [s for s in DEFAULT_SHAPES if not args.shapes or s[0] in args.shapes.split(",")]

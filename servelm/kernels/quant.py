@@ -33,7 +33,7 @@ _GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4
 # bytes of one ggml block: fp16 scale (+ fp16 min for q4_1) then the payload
 _HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
 _PAYLOAD = {"q8_0": 32, "q4_0": 16, "q4_1": 16}
-FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512" or "torch": force one path (tests, benchmarks)
+FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512" or "torch": one path (tests, benchmarks)
 
 
 @dataclass
@@ -148,6 +148,7 @@ def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
 
 _ISA_NAMES = ("scalar", "avx2", "avx512")
 _FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+_backend: str | None = None  # resolved once (see kernel_backend); force_backend() changes it
 
 
 @cache
@@ -155,22 +156,29 @@ def _best_isa() -> str:
     return _ISA_NAMES[torch.ops.servelm_quant.best_isa()] if build.load_quant_ops() else "torch"
 
 
-def kernel_backend() -> str:
-    """The path `linear` takes here: "avx512", "avx2", "scalar" (C++ kernel) or "torch" (no kernel).
+def force_backend(name: str | None) -> str:
+    """Use the path `name` ("scalar", "avx2", "avx512", "torch"; None: the best this machine has) from now on.
 
-    `SERVELM_QUANT_KERNEL` forces a slower one (scalar, avx2, torch); a faster one than the CPU has is an error.
+    A faster ISA than the CPU has is an error; where the kernel cannot be built every name but "torch" gives
+    the torch path. Returns the path in use. The `SERVELM_QUANT_KERNEL` variable does the same at start-up.
     """
-    forced = os.environ.get(FORCE_ENV, "").strip().lower()
-    if forced == "torch":
-        return "torch"
-    best = _best_isa()
-    if not forced or best == "torch":
-        return best
-    if forced not in _ISA_NAMES:
-        raise ValueError(f"{FORCE_ENV}={forced!r}: expected one of torch, {', '.join(_ISA_NAMES)}")
-    if _ISA_NAMES.index(forced) > _ISA_NAMES.index(best):
-        raise ValueError(f"{FORCE_ENV}={forced!r}: this CPU supports at most {best}")
-    return forced
+    global _backend
+    forced = (name or "").strip().lower()
+    if forced and forced != "torch" and forced not in _ISA_NAMES:
+        raise ValueError(f"quantised-kernel path {forced!r}: expected one of torch, {', '.join(_ISA_NAMES)}")
+    best = "torch" if forced == "torch" else _best_isa()
+    if forced and best != "torch" and _ISA_NAMES.index(forced) > _ISA_NAMES.index(best):
+        raise ValueError(f"quantised-kernel path {forced!r}: this CPU supports at most {best}")
+    _backend = forced if forced and best != "torch" else best
+    return _backend
+
+
+def kernel_backend() -> str:
+    """The path `linear` takes: "avx512", "avx2", "scalar" (the C++ kernel) or "torch" (no kernel here).
+
+    The first call builds or loads the kernel (see `servelm.kernels.build`).
+    """
+    return _backend or force_backend(os.environ.get(FORCE_ENV))
 
 
 def batch_invariant() -> bool:
@@ -181,25 +189,29 @@ def batch_invariant() -> bool:
 def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
-    Batch-invariant on the C++ kernel: each output element is one fixed-order reduction over K
-    (same lanes, same order, same final horizontal sum, bias added last) whatever M is, whatever the
-    other rows of x are and however the threads split the work, so row m is bitwise identical for any
-    batch. The torch fallback (`kernel_backend() == "torch"`) does not promise that; see `batch_invariant()`.
+    Batch-invariant on the C++ kernel: each output element is one fixed-order fp32 reduction over K (the
+    same operations in the same order, bias added last) whatever M is, whatever the other rows of x are and
+    however the threads split the work, so row m is bitwise identical for any batch (deterministic mode relies
+    on it). The torch fallback (`kernel_backend() == "torch"`) does not promise that; see `batch_invariant()`.
     """
     n, k = qw.shape
     if x.shape[-1] != k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {k}")
-    backend = kernel_backend()
+    backend = _backend or kernel_backend()
     if backend == "torch":
         return F.linear(x.to(torch.float32), dequantize(qw), bias)
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).to(torch.float32)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.to(torch.float32)
     if k % BLOCK:
         x2 = F.pad(x2, (0, BLOCK - k % BLOCK))
-    b = bias.to(torch.float32).contiguous() if bias is not None else None
-    y = torch.ops.servelm_quant.linear(x2.contiguous(), qw.qs, qw.d, qw.m, _FMT_CODE[qw.fmt], b,
-                                       _ISA_NAMES.index(backend))
-    return y.reshape(*lead, n)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        bias = bias.to(torch.float32).contiguous()
+    y = torch.ops.servelm_quant.linear.default(x2, qw.qs, qw.d, qw.m, _FMT_CODE[qw.fmt], bias,
+                                               _ISA_NAMES.index(backend))
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
 def narrow_rows(qw: QuantWeight, start: int, length: int) -> QuantWeight:

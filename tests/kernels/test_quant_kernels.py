@@ -19,7 +19,7 @@ ISAS = ("scalar", "avx2", "avx512")
 
 
 def _kernel_paths() -> list[str]:
-    best = quant.kernel_backend() if quant.build.load_quant_ops() else "torch"
+    best = quant.force_backend(None)
     return ["torch"] if best == "torch" else list(ISAS[: ISAS.index(best) + 1])
 
 
@@ -28,10 +28,10 @@ KERNELS = [p for p in PATHS if p != "torch"]
 
 
 @pytest.fixture
-def path(request, monkeypatch):
-    monkeypatch.setenv(quant.FORCE_ENV, request.param)
-    assert quant.kernel_backend() == request.param
-    return request.param
+def path(request):
+    assert quant.force_backend(request.param) == request.param == quant.kernel_backend()
+    yield request.param
+    quant.force_backend(None)
 
 
 def _weight(n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, quant.QuantWeight]:
@@ -168,11 +168,13 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
     assert len(lines) == 1 and "torch path" in lines[0] and "no C++ compiler" in lines[0]
 
 
-def test_forcing_a_path():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(quant.FORCE_ENV, "torch")
-        assert quant.kernel_backend() == "torch" and not quant.batch_invariant()
-        mp.setenv(quant.FORCE_ENV, "avx9000")
-        if KERNELS:
-            with pytest.raises(ValueError, match="expected one of"):
-                quant.kernel_backend()
+def test_forcing_a_path(monkeypatch):
+    try:
+        assert quant.force_backend("torch") == "torch" and not quant.batch_invariant()
+        with pytest.raises(ValueError, match="expected one of"):
+            quant.force_backend("avx9000")
+        monkeypatch.setenv(quant.FORCE_ENV, "scalar")
+        monkeypatch.setattr(quant, "_backend", None)  # as at start-up: the variable is read on first use
+        assert quant.kernel_backend() == ("scalar" if KERNELS else "torch")
+    finally:
+        quant.force_backend(None)

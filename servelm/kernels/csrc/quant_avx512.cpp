@@ -1,8 +1,9 @@
 // AVX-512F kernel, outer-product form: 64 weight rows (= output columns) at a time are dequantised into a
 // [k][64] fp32 tile (exactly gguf's values; dword permutes put one k of 16 rows in one vector), then
 // acc[m][n..n+16] = fma(x[m][k], w[k][n..n+16], acc) for k = 0, 1, ... in order. Each output element is that
-// one sequential fp32 sum (plus the bias, last), whatever M is: few rows keep the accumulators in registers
-// across K (dequantising one block at a time into L1), many rows run a 6 x 64 micro-kernel over the tile.
+// one sequential fp32 sum (plus the bias, last), whatever M is: up to 6 rows keep the accumulators in
+// registers across K (1-3 rows dequantise in registers, 16 columns at a time; 4-6 rows one block into L1);
+// more rows run a 6 x 64 micro-kernel over the whole dequantised tile.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -140,10 +141,64 @@ static inline void store_rows(__m512 (&acc)[R][4], float* y, int64_t ldy, const 
   }
 }
 
-// Few rows: accumulators stay in registers across all of K; one block of the tile at a time in L1.
+// One 16-row group of block b, dequantised in registers straight into the accumulators of those 16 columns:
+// acc[i] += x[i][k] * w[k][group] for the block's k in order (the same values and order as the tile path).
 template <int R>
-static void tile_few_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
-                          const float* bias) {
+static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, const TileScales& sc, const float* x,
+                               int64_t kp, __m512 (&acc)[R]) {
+  alignas(64) static const uint8_t zeros[32] = {0};
+  const int64_t payload = w.fmt == Q8_0 ? 32 : 16;
+  const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+  const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
+  const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
+  for (int half = 0; half < payload / 16; ++half) {
+    const uint8_t* rows[16];
+    for (int i = 0; i < 16; ++i) {
+      const int64_t n = t0 + g * 16 + i;
+      rows[i] = n < w.N ? w.qs + (n * w.KB + b) * payload + half * 16 : zeros;
+    }
+    __m512i cols[4];
+    regroup16(rows, cols);
+    for (int nib = 0; nib < (payload == 16 ? 2 : 1); ++nib) {  // q4: low nibbles are k 0..15, high ones 16..31
+      const float* xk = x + b * kBlock + (half + nib) * 16;
+      for (int j = 0; j < 16; ++j) {
+        const int s = 8 * (j % 4);
+        __m512 wv;
+        if (w.fmt == Q8_0) {
+          const __m512i q = _mm512_srai_epi32(_mm512_sll_epi32(cols[j / 4], _mm_cvtsi32_si128(24 - s)), 24);
+          wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
+        } else {
+          __m512i q = _mm512_and_si512(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), low4);
+          if (w.fmt == Q4_0) q = _mm512_sub_epi32(q, eight);
+          wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
+          if (w.m) wv = _mm512_add_ps(wv, mv);
+        }
+        for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i * kp + j]), wv, acc[i]);
+      }
+    }
+  }
+}
+
+// 1-3 rows: accumulators stay in registers across all of K; weights are dequantised in registers.
+template <int R>
+static void tile_few_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* /*blk*/,
+                          float* y, const float* bias) {
+  const int64_t kp = w.KB * kBlock;
+  __m512 acc[R][4];
+  for (int g = 0; g < kGroups; ++g) {
+    __m512 a[R];
+    for (int i = 0; i < R; ++i) a[i] = _mm512_setzero_ps();
+    if (t0 + g * 16 < w.N)
+      for (int64_t b = 0; b < w.KB; ++b) group_block<R>(w, t0, g, b, sc, x, kp, a);
+    for (int i = 0; i < R; ++i) acc[i][g] = a[i];
+  }
+  store_rows<R>(acc, y + t0, w.N, bias ? bias + t0 : nullptr, w.N - t0);
+}
+
+// 4-6 rows: accumulators stay in registers across all of K; one block of the tile at a time in L1.
+template <int R>
+static void tile_block_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
+                            const float* bias) {
   const int64_t kp = w.KB * kBlock;
   __m512 acc[R][4];
   for (int i = 0; i < R; ++i)
@@ -171,9 +226,9 @@ static void few_rows(int r, const float* x, const QWeight& w, const TileScales& 
     case 1: tile_few_rows<1>(x, w, sc, t0, blk, y, bias); break;
     case 2: tile_few_rows<2>(x, w, sc, t0, blk, y, bias); break;
     case 3: tile_few_rows<3>(x, w, sc, t0, blk, y, bias); break;
-    case 4: tile_few_rows<4>(x, w, sc, t0, blk, y, bias); break;
-    case 5: tile_few_rows<5>(x, w, sc, t0, blk, y, bias); break;
-    default: tile_few_rows<6>(x, w, sc, t0, blk, y, bias); break;
+    case 4: tile_block_rows<4>(x, w, sc, t0, blk, y, bias); break;
+    case 5: tile_block_rows<5>(x, w, sc, t0, blk, y, bias); break;
+    default: tile_block_rows<6>(x, w, sc, t0, blk, y, bias); break;
   }
 }
 
