@@ -6,6 +6,9 @@ weight (servelm's fp32 path), torch's weight-only int8 (`_weight_int8pack_mm`) a
 (`servelm.kernels.quant.linear`) per ggml format. Medians in microseconds; prints a markdown table.
 
     python -m servelm.bench.quant_probe [--m 1,4,16,64,256] [--formats q8_0,q4_0,q4_1] [--isa avx2]
+        [--threads 1 --clock thread]
+
+Cells: median us per call (speed-up over fp32 oneDNN); "-": not timed (see --torch-max-m).
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ DEFAULT_SHAPES = [("q_proj/o_proj", 576, 576), ("k_proj/v_proj", 192, 576), ("ga
                   ("down_proj", 576, 1536), ("lm_head", 49152, 576)]
 
 
-def time_us(fn: Callable[[torch.Tensor], object], x: torch.Tensor, min_s: float = 0.2, max_reps: int = 50) -> float:
-    """Median microseconds of `fn(x)` (after one warm-up call), at least 3 and at most `max_reps` calls."""
+def time_us(fn: Callable[[torch.Tensor], object], x: torch.Tensor, clock: Callable[[], float] = time.perf_counter,
+            min_s: float = 0.3, max_reps: int = 100) -> float:
+    """Median microseconds of `fn(x)` (after one warm-up call), at least 5 and at most `max_reps` calls."""
     fn(x)
     times: list[float] = []
     start = time.perf_counter()
-    while len(times) < 3 or (len(times) < max_reps and time.perf_counter() - start < min_s):
-        t0 = time.perf_counter()
+    while len(times) < 5 or (len(times) < max_reps and time.perf_counter() - start < min_s):
+        t0 = clock()
         fn(x)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times) * 1e6
 
 
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", default=None, help="Force the kernel path (scalar, avx2, avx512, torch).")
     parser.add_argument("--shapes", default=None, help="Only these shape names (comma-separated).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own).")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="thread: CPU time of this thread (with --threads 1; steadier on a shared machine).")
+    parser.add_argument("--torch-max-m", type=int, default=16,
+                        help="Time torch's int8/int4 ops only up to this M (they take seconds beyond).")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ms = [int(v) for v in args.m.split(",")]
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     shapes = [s for s in DEFAULT_SHAPES if not args.shapes or s[0] in args.shapes.split(",")]
+    if args.clock == "thread" and torch.get_num_threads() != 1:
+        parser.error("--clock thread needs --threads 1 (other threads' time would not count)")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.manual_seed(0)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"kernel path: {quant.kernel_backend()}; median us per call")
+          f"kernel path: {quant.kernel_backend()}; median us per call ({args.clock} clock)")
     header = None
     for name, n, k in shapes:
         fns = candidates(torch.randn(n, k) * 0.05, formats)
@@ -115,11 +126,13 @@ def main(argv: list[str] | None = None) -> int:
             print("|" + "---|" * len(header))
         for m in ms:
             x = torch.randn(m, k)
-            base = time_us(fns["fp32 oneDNN"], x)
+            base = time_us(fns["fp32 oneDNN"], x, clock)
             cells = [f"{base:.0f}"]
             for label, fn in fns.items():
-                if label != "fp32 oneDNN":
-                    t = time_us(fn, x)
+                if label.startswith("torch") and m > args.torch_max_m:
+                    cells.append("-")
+                elif label != "fp32 oneDNN":
+                    t = time_us(fn, x, clock)
                     cells.append(f"{t:.0f} ({base / t:.2f}x)")
             print(f"| {name} {n}x{k} | {m} | " + " | ".join(cells) + " |", flush=True)
     return 0
