@@ -21,7 +21,8 @@ _HELP = {
     "dtype": "auto: float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported).",
     "max_batch_size": "Most images denoised together in one batch (requests are never split).",
     "max_queued_requests": "Requests waiting beyond those running; more get 429 with Retry-After.",
-    "batch_wait_ms": "How long an idle scheduler waits for more requests to join a batch.",
+    "batch_wait_ms": "How long an idle scheduler waits for more requests to join a batch (small next to a "
+                     "denoising call).",
     "max_image_size": "Largest width or height accepted, in pixels.",
     "max_inference_steps": "Largest num_inference_steps accepted.",
     "image_store_size": "Edited images kept for GET /v1/images/{id}/content (response_format=url), LRU.",
@@ -45,7 +46,7 @@ class DiffusionServerArgs:
     dtype: str = "auto"
     max_batch_size: int = 4
     max_queued_requests: int = 32
-    batch_wait_ms: float = 10.0
+    batch_wait_ms: float = 50.0
     max_image_size: int = 2048
     max_inference_steps: int = 500
     image_store_size: int = 64
