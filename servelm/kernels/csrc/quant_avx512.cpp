@@ -20,6 +20,7 @@ namespace avx512 {
 constexpr int kTile = 64;  // weight rows per tile: 4 vectors of 16
 constexpr int kGroups = kTile / 16;
 constexpr int kMr = 6;     // rows of x per micro-kernel call
+constexpr int64_t kKc = 128;  // k per pass of the micro-kernel over all rows (128 x 64 fp32 = 32 KB)
 
 // 16 rows x 16 bytes -> out[c] (c = 0..3): dword i = bytes 4c..4c+3 of row i. Rows go four to a register,
 // then eight two-source dword permutes regroup them (instead of 64 byte unpacks).
@@ -210,14 +211,19 @@ static void tile_block_rows(const float* x, const QWeight& w, const TileScales& 
   store_rows<R>(acc, y + t0, w.N, bias ? bias + t0 : nullptr, w.N - t0);
 }
 
+// Rows of x over k in [k0, k1) of the dequantised tile (`tile` points at row k0). Between chunks of K the
+// running sums wait in y, exactly (fp32 store and reload); the bias is added after the last chunk.
 template <int R>
-static void rows_over_tile(const float* x, int64_t kp, const float* tile, float* y, int64_t ldy, const float* bias,
-                           int64_t cols) {
+static void rows_over_tile(const float* x, int64_t kp, const float* tile, int64_t k0, int64_t k1, float* y,
+                           int64_t ldy, const float* bias, int64_t cols) {
   __m512 acc[R][4];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-  fma_rows<R>(x, kp, tile, 0, kp, acc);
-  store_rows<R>(acc, y, ldy, bias, cols);
+  for (int v = 0; v < 4; ++v) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::clamp<int64_t>(cols - v * 16, 0, 16)) - 1u);
+    for (int i = 0; i < R; ++i)
+      acc[i][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y + i * ldy + v * 16);
+  }
+  fma_rows<R>(x, kp, tile, k0, k1, acc);
+  store_rows<R>(acc, y, ldy, k1 == kp ? bias : nullptr, cols);
 }
 
 static void few_rows(int r, const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
@@ -232,15 +238,15 @@ static void few_rows(int r, const float* x, const QWeight& w, const TileScales& 
   }
 }
 
-static void many_rows(int r, const float* x, int64_t kp, const float* tile, float* y, int64_t ldy, const float* bias,
-                      int64_t cols) {
+static void many_rows(int r, const float* x, int64_t kp, const float* tile, int64_t k0, int64_t k1, float* y,
+                      int64_t ldy, const float* bias, int64_t cols) {
   switch (r) {
-    case 1: rows_over_tile<1>(x, kp, tile, y, ldy, bias, cols); break;
-    case 2: rows_over_tile<2>(x, kp, tile, y, ldy, bias, cols); break;
-    case 3: rows_over_tile<3>(x, kp, tile, y, ldy, bias, cols); break;
-    case 4: rows_over_tile<4>(x, kp, tile, y, ldy, bias, cols); break;
-    case 5: rows_over_tile<5>(x, kp, tile, y, ldy, bias, cols); break;
-    default: rows_over_tile<6>(x, kp, tile, y, ldy, bias, cols); break;
+    case 1: rows_over_tile<1>(x, kp, tile, k0, k1, y, ldy, bias, cols); break;
+    case 2: rows_over_tile<2>(x, kp, tile, k0, k1, y, ldy, bias, cols); break;
+    case 3: rows_over_tile<3>(x, kp, tile, k0, k1, y, ldy, bias, cols); break;
+    case 4: rows_over_tile<4>(x, kp, tile, k0, k1, y, ldy, bias, cols); break;
+    case 5: rows_over_tile<5>(x, kp, tile, k0, k1, y, ldy, bias, cols); break;
+    default: rows_over_tile<6>(x, kp, tile, k0, k1, y, ldy, bias, cols); break;
   }
 }
 
@@ -259,9 +265,14 @@ void gemm_avx512(const float* x, int64_t M, const QWeight& w, const float* bias,
       continue;
     }
     for (int64_t b = 0; b < w.KB; ++b) dequant_block(w, t0, b, sc, buf + b * kBlock * kTile);
-    for (int64_t m0 = 0; m0 < M; m0 += kMr) {
-      const int r = static_cast<int>(std::min<int64_t>(kMr, M - m0));
-      many_rows(r, x + m0 * kp, kp, buf, y + m0 * w.N + t0, w.N, bias ? bias + t0 : nullptr, std::min(n1, w.N) - t0);
+    const int64_t cols = std::min(n1, w.N) - t0;
+    for (int64_t k0 = 0; k0 < kp; k0 += kKc) {  // a 32 KB slice of the tile stays in L1 for all rows
+      const int64_t k1 = std::min(kp, k0 + kKc);
+      for (int64_t m0 = 0; m0 < M; m0 += kMr) {
+        const int r = static_cast<int>(std::min<int64_t>(kMr, M - m0));
+        many_rows(r, x + m0 * kp, kp, buf + k0 * kTile, k0, k1, y + m0 * w.N + t0, w.N, bias ? bias + t0 : nullptr,
+                  cols);
+      }
     }
   }
 }
