@@ -105,7 +105,7 @@ def build_job(state: DiffusionState, req: ImageGenerationRequest | ImageEditRequ
     runtime = state.runtime
     assert runtime is not None
     _check_model(state, req.model)
-    default = image.size if image is not None else runtime.default_size
+    default = edit_size(image.size, state.args.max_image_size) if image is not None else runtime.default_size
     width, height = parse_size(req.size, default, state.args.max_image_size)
     steps = check_steps(req.num_inference_steps or runtime.default_steps, state.args.max_inference_steps)
     if req.guidance_scale is not None and runtime.default_guidance is None:
@@ -120,6 +120,12 @@ def build_job(state: DiffusionState, req: ImageGenerationRequest | ImageEditRequ
         job.image = image if image.size == (width, height) else image.resize((width, height), Image.LANCZOS)
         job.strength = req.strength  # type: ignore[union-attr]
     return job
+
+
+def edit_size(size: tuple[int, int], max_side: int) -> tuple[int, int]:
+    """An edit's default output size: the upload's, scaled down to fit `max_side`, in multiples of 8."""
+    scale = min(1.0, max_side / max(size))
+    return tuple(max(8, int(side * scale) // 8 * 8) for side in size)  # type: ignore[return-value]
 
 
 async def _read_upload(form: Any) -> Image.Image:

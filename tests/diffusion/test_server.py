@@ -184,6 +184,18 @@ def test_openai_client_edit_with_url_result(client: openai.OpenAI, server: Serve
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "image_id"
 
 
+def test_edit_default_size_is_the_uploads_fitted_to_the_limit(server: ServerProcess) -> None:
+    sizes = []
+    for upload in ((40, 40), (100, 60)):
+        png = io.BytesIO()
+        Image.new("RGB", upload, (200, 30, 30)).save(png, format="PNG")
+        r = _edit(server, {"image": ("a.png", png.getvalue(), "image/png")},
+                  {"prompt": "x", "num_inference_steps": "2", "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+        sizes.append(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))).size)
+    assert sizes == [(40, 40), (64, 32)]  # --max-image-size 64; multiples of 8
+
+
 def test_models_endpoints(server: ServerProcess, tiny_sd: Path) -> None:
     models = httpx.get(f"{server.base_url}/v1/models", headers=AUTH).json()
     assert [m["id"] for m in models["data"]] == ["tiny-sd"]
