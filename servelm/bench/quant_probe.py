@@ -6,7 +6,7 @@ weight (servelm's fp32 path), torch's weight-only int8 (`_weight_int8pack_mm`) a
 (`servelm.kernels.quant.linear`) per ggml format. Medians in microseconds; prints a markdown table.
 
     python -m servelm.bench.quant_probe [--m 1,4,16,64,256] [--formats q8_0,q4_0,q4_1] [--isa avx2]
-        [--threads 1 --clock thread]
+        [--threads 1 --clock thread] [--model-pass]
 
 Cells: median us per call (speed-up over fp32 oneDNN); "-": not timed (see --torch-max-m).
 """
@@ -80,6 +80,56 @@ def candidates(w: torch.Tensor, formats: list[str]) -> dict[str, Callable[[torch
     return out
 
 
+def default_model_weights() -> list[tuple[str, quant.QuantWeight]]:
+    """Every 2-D weight of the default model's GGUF, as its own blocks (Q4_1 linears, the Q8_0 embedding
+    that is also the tied LM head), in file order; the embedding goes last, as the LM head runs last."""
+    from gguf import GGUFReader
+
+    from servelm.model_loader.default_model import default_model_path
+
+    out = []
+    for t in GGUFReader(default_model_path()).tensors:
+        fmt = t.tensor_type.name.lower()
+        if fmt in quant.FORMATS and len(t.shape) == 2:
+            out.append((t.name, quant.from_gguf(t.data, fmt, (int(t.shape[1]), int(t.shape[0])))))
+    return sorted(out, key=lambda item: item[0] == "token_embd.weight")
+
+
+def model_pass(ms: list[int], formats: list[str], clock: Callable[[], float]) -> None:
+    """One matmul per weight of the default model (all layers, then the LM head) on random rows: how long a
+    forward's linears take with fp32 oneDNN vs the file's own blocks vs re-quantised ones. Weights stream
+    from memory here (~0.5 GB in fp32), as in a real forward, unlike the per-shape table."""
+    named = default_model_weights()
+    fp32 = [quant.dequantize(qw) for _, qw in named]
+    variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+    packed = [prepack_weight(w) for w in fp32]
+    variants["fp32 oneDNN"] = [lambda x, p=p: packed_linear(x, p, None) for p in packed]
+    sizes = {"fp32 oneDNN": sum(w.numel() * 4 for w in fp32)}
+    file_q = [qw for _, qw in named]
+    variants["ours, GGUF blocks"] = [lambda x, qw=qw: quant.linear(x, qw) for qw in file_q]
+    sizes["ours, GGUF blocks"] = sum(qw.nbytes for qw in file_q)
+    for fmt in formats:
+        qws = [quant.quantize(w, fmt) for w in fp32]
+        variants[f"ours {fmt}"] = [lambda x, qw=qw: quant.linear(x, qw) for qw in qws]
+        sizes[f"ours {fmt}"] = sum(qw.nbytes for qw in qws)
+    del fp32
+    print(f"\nDefault model, one pass over its {len(named)} weight matrices (ms; resident weight MB in the header)")
+    print("| M | " + " | ".join(f"{k} ({sizes[k] / 1e6:.0f} MB)" for k in variants) + " |")
+    print("|" + "---|" * (len(variants) + 1))
+    for m in ms:
+        xs = {k: torch.randn(m, k) for k in {qw.shape[1] for _, qw in named}}
+        inputs = [xs[qw.shape[1]] for _, qw in named]
+        cells = []
+        for fns in variants.values():
+            def one_pass(_: torch.Tensor, fns=fns, inputs=inputs) -> None:
+                for fn, x in zip(fns, inputs):
+                    fn(x)
+            cells.append(time_us(one_pass, inputs[0], clock, min_s=1.0, max_reps=10) / 1e3)
+        base = cells[0]
+        print(f"| {m} | {base:.1f} | " + " | ".join(f"{c:.1f} ({base / c:.2f}x)" for c in cells[1:]) + " |",
+              flush=True)
+
+
 def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -101,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own).")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
                         help="thread: CPU time of this thread (with --threads 1; steadier on a shared machine).")
+    parser.add_argument("--model-pass", action="store_true",
+                        help="Instead: one pass over all of the default model's weights per M (decode-like).")
     parser.add_argument("--torch-max-m", type=int, default=16,
                         help="Time torch's int8/int4 ops only up to this M (they take seconds beyond).")
     args = parser.parse_args(argv)
@@ -117,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"kernel path: {quant.kernel_backend()}; median us per call ({args.clock} clock)")
+    if args.model_pass:
+        model_pass(ms, formats, clock)
+        return 0
     header = None
     for name, n, k in shapes:
         fns = candidates(torch.randn(n, k) * 0.05, formats)
