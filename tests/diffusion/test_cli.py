@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,23 @@ from PIL import Image
 
 from servelm.cli.main import main
 from tests.server_fixtures import free_port
+
+
+@pytest.fixture(autouse=True)
+def _keep_thread_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """generate/serve set this process's CPU threads (torch and the OMP environment): put them back."""
+    import torch
+
+    from servelm.cpu_threads import DEFAULTED_ENV
+
+    threads = torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", DEFAULTED_ENV):  # monkeypatch restores them (or their absence)
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_generate_writes_pngs_and_prints_their_paths(tiny_sd: Path, tmp_path: Path,
