@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -30,7 +31,7 @@ LONG_STEPS = 400  # a request that outlasts every test's patience: it is always 
 def server(tiny_sd: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # No --model-type: auto-detection must pick the diffusion backend for a diffusers folder.
     srv = start_server([str(tiny_sd), "--api-key", KEY, "--max-queued-requests", "4", "--max-batch-size", "8",
-                        "--max-image-size", "64", "--served-model-name", "tiny-sd"],
+                        "--max-image-size", "64", "--served-model-name", "tiny-sd", "--shutdown-timeout", "1"],
                        tmp_path_factory.mktemp("logs") / "diffusion.log", timeout=300)
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
@@ -340,3 +341,21 @@ def test_bench_images_against_the_running_server(server: ServerProcess, tiny_sd:
     for side in ("baseline", "server"):
         assert result[side]["images_per_s"] > 0 and result[side]["s_per_step"] > 0
     assert result["server"]["mean_batch_images"] >= 1 and result["ratio"] > 0
+
+
+# ---------------------------------------------------------------- stopping (last: it stops the module's server)
+def test_sigterm_ends_a_running_request_with_503_then_exits_0(server: ServerProcess) -> None:
+    async def stop_while_running() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers=AUTH, timeout=120) as http:
+            running = asyncio.create_task(http.post("/v1/images/generations", json={
+                "prompt": "interrupted", "size": "32x32", "num_inference_steps": LONG_STEPS}))
+            await await_metric(server, "num_requests_running", 1)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            refused = await http.post("/v1/images/generations", json={"prompt": "too late", **FAST})
+            return await running, refused
+
+    running, refused = asyncio.run(stop_while_running())
+    assert refused.status_code == 503 and refused.json()["error"]["message"] == "The server is shutting down"
+    assert running.status_code == 503 and running.json()["error"]["message"] == "The server is shutting down"
+    assert server.proc.wait(30) == 0
