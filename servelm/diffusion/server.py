@@ -141,10 +141,14 @@ async def _read_upload(form: Any) -> Image.Image:
     if len(data) > MAX_UPLOAD_BYTES:
         raise bad(f"image: larger than {MAX_UPLOAD_BYTES // (1024 * 1024)} MiB", "image")
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            return img.convert("RGB")
+        return await asyncio.to_thread(_decode, data)  # a large upload would hold up the event loop
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError, ValueError):
         raise bad("image: not an image file PIL can read (send a PNG, JPEG or WebP)", "image") from None
+
+
+def _decode(data: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
 
 
 async def parse_edit(request: Request) -> tuple[ImageEditRequest, Image.Image]:
@@ -156,8 +160,8 @@ async def parse_edit(request: Request) -> tuple[ImageEditRequest, Image.Image]:
     fields = {k: v for k, v in form.multi_items() if k not in ("image", "image[]") and isinstance(v, str)}
     try:
         req = ImageEditRequest.model_validate(fields)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    except ValidationError as exc:  # located as a JSON body's fields are, for the same 400 messages
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
     return req, await _read_upload(form)
 
 

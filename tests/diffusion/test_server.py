@@ -315,6 +315,8 @@ def test_bad_edits_are_400(server: ServerProcess) -> None:
         (_edit(server, {"image": ("a.png", png.getvalue(), "image/png")}, {"prompt": ""}), "prompt", "empty"),
         (_edit(server, {"image": ("a.png", png.getvalue(), "image/png")}, {"prompt": "x", "size": "30x30"}), "size",
          "multiples of 8"),
+        (_edit(server, {"image": ("a.png", png.getvalue(), "image/png")}, {"prompt": "x", "quality": "hd"}),
+         "quality", "Unrecognized request argument supplied: quality"),
         (httpx.post(f"{server.base_url}/v1/images/edits", json={"prompt": "x"}, headers=AUTH), "body", "multipart"),
     ]
     for response, param, text in cases:
