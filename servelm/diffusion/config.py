@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from servelm.cli.serve import StrictArgumentParser
-from servelm.config import ConfigError
+from servelm.config import ConfigError, load_config_file
 
 PROG = "servelm serve --model-type diffusion"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -76,14 +76,16 @@ class DiffusionServerArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--config", default=None, help="YAML file of arguments (CLI flags win).")
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             kwargs: dict = {"help": _HELP[f.name], "dest": f.name}
             if f.name == "model_path":
-                parser.add_argument(flag, "--model", required=True, **kwargs)
+                parser.add_argument(flag, "--model", default=None, **kwargs)
                 continue
             kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-            kwargs["help"] += f" (default: {f.default})"
+            if f.default is not None:
+                kwargs["help"] += f" (default: {f.default})"
             if f.name == "dtype":
                 kwargs["choices"] = DTYPES
             if f.name == "log_level":
@@ -92,7 +94,19 @@ class DiffusionServerArgs:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> DiffusionServerArgs:
-        return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)})
+        """The flags, then the `--config` file's keys for flags left at their default (as ServerArgs)."""
+        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
+        defaults = {f.name: (None if f.name == "model_path" else f.default) for f in dataclasses.fields(cls)}
+        if ns.config:
+            for key, value in load_config_file(ns.config).items():
+                name = "model_path" if key == "model" else key.replace("-", "_")
+                if name not in defaults:
+                    raise ConfigError(f"unknown key '{key}' in config file {ns.config}")
+                if values[name] == defaults[name]:
+                    values[name] = value
+        if not values["model_path"]:
+            raise ConfigError("--model-path is required. Please provide the path to the model.")
+        return cls(**values)
 
 
 def build_parser() -> StrictArgumentParser:
