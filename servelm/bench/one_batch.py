@@ -132,8 +132,9 @@ def main(argv: list[str]) -> int:
     engine = Engine(args)
     hf = load_hf_baseline(ns.model_path) if ns.baseline == "hf" else None
     bw = memory_bandwidth_gbs()
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.scheduler.runner.model.parameters())
+    weight_bytes = engine.scheduler.runner.weight_bytes  # resident: fp32 (pre-packed) or quantised blocks
     print(f"model {engine.scheduler.runner.model_path}  fast_path={engine.scheduler.runner.fast_path}  "
+          f"quantization={args.quantization}  "
           f"weights {weight_bytes / 1e6:.0f} MB  memory bandwidth {bw:.1f} GB/s\n"
           f"{describe_threads(engine.cpu_threads)}")
     for bs in ns.batch_size:
@@ -149,7 +150,7 @@ def main(argv: list[str]) -> int:
                 f"({res['decode_tok_s']:7.1f} tok/s)")
         if bs == 1:
             res["bandwidth_fraction"] = weight_bytes / (res["decode_step_ms"] / 1e3) / 1e9 / bw
-            line += f"  {res['bandwidth_fraction'] * 100:.0f}% of fp32 bandwidth limit"
+            line += f"  {res['bandwidth_fraction'] * 100:.0f}% of the weights' bandwidth limit"
         if ns.competing_load:
             res.update({f"busy_{k}": v for k, v in busy.items()})
             res["busy_decode_ratio"] = busy["decode_tok_s"] / res["decode_tok_s"]
