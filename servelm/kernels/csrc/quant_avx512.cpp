@@ -49,12 +49,12 @@ static inline void regroup16(const uint8_t* const rows[16], __m512i out[4]) {
 
 // Per tile: fp32 scales (and mins) transposed to [block][64 rows]; rows past N get zeros.
 struct TileScales {
-  std::vector<float> d, m;
+  std::vector<float> d, m, row;
   void load(const QWeight& w, int64_t t0) {
     const int64_t kb = w.KB;
     d.assign(kb * kTile, 0.0f);
     if (w.m) m.assign(kb * kTile, 0.0f);
-    std::vector<float> row(kb + 16);
+    row.resize(kb + 16);
     for (int r = 0; r < kTile && t0 + r < w.N; ++r) {
       for (int pass = 0; pass < (w.m ? 2 : 1); ++pass) {
         const uint16_t* h = (pass ? w.m : w.d) + (t0 + r) * kb;
@@ -257,7 +257,7 @@ void gemm_avx512(const float* x, int64_t M, const QWeight& w, const float* bias,
                  float* buf, int64_t /*nb*/) {
   using namespace avx512;
   const int64_t kp = w.KB * kBlock;
-  TileScales sc;
+  thread_local TileScales sc;  // reused: no allocation per tile
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     sc.load(w, t0);
     if (M <= kMr) {
