@@ -22,15 +22,16 @@ constexpr int kGroups = kTile / 16;
 constexpr int kMr = 6;     // rows of x per micro-kernel call
 constexpr int64_t kKc = 128;  // k per pass of the micro-kernel over all rows (128 x 64 fp32 = 32 KB)
 
-// 16 rows x 16 bytes -> out[c] (c = 0..3): dword i = bytes 4c..4c+3 of row i. Rows go four to a register,
-// then eight two-source dword permutes regroup them (instead of 64 byte unpacks).
-static inline void regroup16(const uint8_t* const rows[16], __m512i out[4]) {
+// 16 rows x 16 bytes (row i at p + i * stride) -> out[c] (c = 0..3): dword i = bytes 4c..4c+3 of row i.
+// Rows go four to a register, then eight two-source dword permutes regroup them (not 64 byte unpacks).
+static inline void regroup16(const uint8_t* p, int64_t stride, __m512i out[4]) {
   __m512i a[4];
   for (int r = 0; r < 4; ++r) {
-    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r])));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 1])), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 2])), 2);
-    a[r] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * r + 3])), 3);
+    const uint8_t* q = p + 4 * r * stride;
+    __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + stride)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * stride)), 2);
+    a[r] = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 3 * stride)), 3);
   }
   // rows 0..7 (a[0], a[1]) or 8..15 (a[2], a[3]): [col 0 of the 8 rows, col 1] and [col 2, col 3]
   const __m512i cols01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
@@ -45,6 +46,22 @@ static inline void regroup16(const uint8_t* const rows[16], __m512i out[4]) {
   out[1] = _mm512_permutex2var_epi32(lo01, second, hi01);
   out[2] = _mm512_permutex2var_epi32(lo23, first, hi23);
   out[3] = _mm512_permutex2var_epi32(lo23, second, hi23);
+}
+
+// The 16 rows of group g, block b, bytes [16 * half, 16 * half + 16) of the payload, regrouped (rows past N
+// read as zeros).
+static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, int half, __m512i out[4]) {
+  const int64_t payload = w.fmt == Q8_0 ? 32 : 16;
+  const int64_t stride = w.KB * payload;
+  const int64_t n0 = t0 + g * 16;
+  const uint8_t* p = w.qs + n0 * stride + b * payload + half * 16;
+  if (n0 + 16 <= w.N) {
+    regroup16(p, stride, out);
+    return;
+  }
+  alignas(64) uint8_t rows[16 * 16] = {0};
+  for (int64_t i = 0; i < w.N - n0; ++i) std::memcpy(rows + i * 16, p + i * stride, 16);
+  regroup16(rows, 16, out);
 }
 
 // Per tile: fp32 scales (and mins) transposed to [block][64 rows]; rows past N get zeros.
@@ -76,38 +93,30 @@ static inline void store_ps(float* o, __m512i q, __m512 dv, const __m512* mv) {
 
 // Block b of the tile's rows, dequantised into out[k][64] (k = 0..31 of the block, row stride kTile).
 static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileScales& sc, float* out) {
-  alignas(64) static const uint8_t zeros[32] = {0};
-  const int64_t kb = w.KB;
-  const int64_t payload = w.fmt == Q8_0 ? 32 : 16;
-  const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+  const int payload = w.fmt == Q8_0 ? 32 : 16;
+  // nibble -> its float (q4_1) or (nibble - 8) (q4_0): vpermps reads the low 4 bits of each index lane
+  const __m512 table = w.fmt == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int g = 0; g < kGroups; ++g) {
     const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
     const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
     float* o = out + g * 16;
     for (int half = 0; half < payload / 16; ++half) {
-      const uint8_t* rows[16];
-      for (int i = 0; i < 16; ++i) {
-        const int64_t n = t0 + g * 16 + i;
-        rows[i] = n < w.N ? w.qs + (n * kb + b) * payload + half * 16 : zeros;
-      }
       __m512i cols[4];
-      regroup16(rows, cols);
+      group_bytes(w, t0, g, b, half, cols);
       for (int j = 0; j < 16; ++j) {
         const __m512i v = cols[j / 4];
         const int s = 8 * (j % 4);
         if (w.fmt == Q8_0) {  // signed byte j of each row
           const __m512i q = _mm512_srai_epi32(_mm512_sll_epi32(v, _mm_cvtsi32_si128(24 - s)), 24);
-          store_ps(o + (half * 16 + j) * kTile, q, dv, nullptr);
+          _mm512_storeu_ps(o + (half * 16 + j) * kTile, _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv));
           continue;
         }
-        const __m512i sv = _mm512_srl_epi32(v, _mm_cvtsi32_si128(s));
-        __m512i lo = _mm512_and_si512(sv, low4), hi = _mm512_and_si512(_mm512_srli_epi32(sv, 4), low4);
-        if (w.fmt == Q4_0) {
-          lo = _mm512_sub_epi32(lo, eight);
-          hi = _mm512_sub_epi32(hi, eight);
+        for (int nib = 0; nib < 2; ++nib) {
+          const __m512 q = _mm512_permutexvar_ps(_mm512_srl_epi32(v, _mm_cvtsi32_si128(s + 4 * nib)), table);
+          const __m512 f = _mm512_mul_ps(q, dv);
+          _mm512_storeu_ps(o + (j + 16 * nib) * kTile, w.m ? _mm512_add_ps(f, mv) : f);
         }
-        store_ps(o + j * kTile, lo, dv, w.m ? &mv : nullptr);
-        store_ps(o + (j + 16) * kTile, hi, dv, w.m ? &mv : nullptr);
       }
     }
   }
@@ -147,19 +156,14 @@ static inline void store_rows(__m512 (&acc)[R][4], float* y, int64_t ldy, const 
 template <int R>
 static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, const TileScales& sc, const float* x,
                                int64_t kp, __m512 (&acc)[R]) {
-  alignas(64) static const uint8_t zeros[32] = {0};
-  const int64_t payload = w.fmt == Q8_0 ? 32 : 16;
-  const __m512i low4 = _mm512_set1_epi32(0x0f), eight = _mm512_set1_epi32(8);
+  const int payload = w.fmt == Q8_0 ? 32 : 16;
+  const __m512 table = w.fmt == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
   const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
   for (int half = 0; half < payload / 16; ++half) {
-    const uint8_t* rows[16];
-    for (int i = 0; i < 16; ++i) {
-      const int64_t n = t0 + g * 16 + i;
-      rows[i] = n < w.N ? w.qs + (n * w.KB + b) * payload + half * 16 : zeros;
-    }
     __m512i cols[4];
-    regroup16(rows, cols);
+    group_bytes(w, t0, g, b, half, cols);
     for (int nib = 0; nib < (payload == 16 ? 2 : 1); ++nib) {  // q4: low nibbles are k 0..15, high ones 16..31
       const float* xk = x + b * kBlock + (half + nib) * 16;
       for (int j = 0; j < 16; ++j) {
@@ -169,9 +173,8 @@ static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, c
           const __m512i q = _mm512_srai_epi32(_mm512_sll_epi32(cols[j / 4], _mm_cvtsi32_si128(24 - s)), 24);
           wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
         } else {
-          __m512i q = _mm512_and_si512(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), low4);
-          if (w.fmt == Q4_0) q = _mm512_sub_epi32(q, eight);
-          wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
+          const __m512 q = _mm512_permutexvar_ps(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), table);
+          wv = _mm512_mul_ps(q, dv);
           if (w.m) wv = _mm512_add_ps(wv, mv);
         }
         for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i * kp + j]), wv, acc[i]);
