@@ -47,6 +47,7 @@ from servelm.entrypoints.http_common import (
     GracefulServer,
     GuardMiddleware,
     ServerError,
+    ServerLifecycle,
     bad,
     configure_logging,
     health_response,
@@ -62,27 +63,16 @@ HANG_UP_POLL_S = 0.1
 
 
 @dataclass
-class DiffusionState:
+class DiffusionState(ServerLifecycle):
     args: DiffusionServerArgs
     metrics: DiffusionMetrics
     runtime: DiffusionRuntime | None = None
     scheduler: ImageScheduler | None = None
-    ready: bool = False
-    shutting_down: bool = False
-    fatal_error: str | None = None
-    uvicorn_server: Any = None
     images: OrderedDict[str, bytes] = field(default_factory=OrderedDict)  # id -> PNG, least recent first
 
     @property
     def api_key(self) -> str | None:
         return self.args.api_key
-
-    def fail(self, message: str) -> None:
-        logger.error("%s", message)
-        self.fatal_error = self.fatal_error or message
-        self.shutting_down = True
-        if self.uvicorn_server is not None:
-            self.uvicorn_server.should_exit = True
 
     def store(self, png: bytes) -> str:
         image_id = f"img-{uuid.uuid4().hex}"

@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import uvicorn
@@ -105,6 +106,32 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(500, "Internal server error", type="internal_error")
+
+
+@dataclass(kw_only=True)
+class ServerLifecycle:
+    """The start/stop flags every server's state keeps, and how a fatal fault stops the server.
+
+    A server's state dataclass derives from it (its own fields stay positional-or-keyword); the guard
+    reads `ready`, `shutting_down` and the subclass's `api_key`.
+    """
+
+    ready: bool = False
+    shutting_down: bool = False
+    fatal_error: str | None = None
+    uvicorn_server: Any = None
+
+    def fail(self, message: str) -> None:
+        """Record a fatal fault, let the server end what depends on it (`on_fail`), and make uvicorn stop."""
+        logger.error("%s", message)
+        self.fatal_error = self.fatal_error or message
+        self.shutting_down = True
+        self.on_fail(message)
+        if self.uvicorn_server is not None:
+            self.uvicorn_server.should_exit = True
+
+    def on_fail(self, message: str) -> None:
+        """What else a fatal fault ends in this server (nothing by default)."""
 
 
 class GuardedState(Protocol):

@@ -22,7 +22,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import pydantic
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -30,7 +29,14 @@ from fastapi.responses import Response
 from servelm import __version__
 from servelm.config import ServerArgs
 from servelm.entrypoints.chat_page import is_open_path, mount_chat_page
-from servelm.entrypoints.http_common import ApiError, GuardMiddleware, bad, health_response, install_error_handlers
+from servelm.entrypoints.http_common import (
+    ApiError,
+    GuardMiddleware,
+    ServerLifecycle,
+    bad,
+    health_response,
+    install_error_handlers,
+)
 from servelm.entrypoints.openai_protocol import (
     AbortRequest,
     ChatCompletionRequest,
@@ -70,34 +76,24 @@ def served_model_name(server_args: ServerArgs) -> str:
 
 # ------------------------------------------------------------------ state
 @dataclass
-class ServerState:
+class ServerState(ServerLifecycle):
     """What the endpoints share: configuration, the tokenizer manager and lifecycle flags."""
 
     server_args: ServerArgs
     model_name: str
     manager: TokenizerManager
     metrics: ServerMetrics
-    ready: bool = False
-    shutting_down: bool = False
     started_at: float = field(default_factory=time.monotonic)
-    fatal_error: str | None = None
     proc: Any = None  # the scheduler process
     ready_reader: Connection | None = None
-    uvicorn_server: uvicorn.Server | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
 
     @property
     def api_key(self) -> str | None:
         return self.server_args.api_key
 
-    def fail(self, message: str) -> None:
-        """Record a fatal fault and make uvicorn stop."""
-        logger.error("%s", message)
-        self.fatal_error = self.fatal_error or message
-        self.shutting_down = True
+    def on_fail(self, message: str) -> None:
         self.manager.fail_all(message)
-        if self.uvicorn_server is not None:
-            self.uvicorn_server.should_exit = True
 
 
 # ------------------------------------------------------------- the app
