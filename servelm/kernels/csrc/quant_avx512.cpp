@@ -1,9 +1,9 @@
 // AVX-512F kernel, outer-product form: 64 weight rows (= output columns) at a time are dequantised into a
 // [k][64] fp32 tile (exactly gguf's values; dword permutes put one k of 16 rows in one vector), then
 // acc[m][n..n+16] = fma(x[m][k], w[k][n..n+16], acc) for k = 0, 1, ... in order. Each output element is that
-// one sequential fp32 sum (plus the bias, last), whatever M is: up to 6 rows keep the accumulators in
-// registers across K (1-3 rows dequantise in registers, 16 columns at a time; 4-6 rows one block into L1);
-// more rows run a 6 x 64 micro-kernel over the whole dequantised tile.
+// one sequential fp32 sum (plus the bias, last), whatever M is: up to 8 rows keep the accumulators in
+// registers across K and dequantise in registers, 16 columns at a time; more rows run a 6 x 64 micro-kernel
+// over the whole dequantised tile.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -20,6 +20,7 @@ namespace avx512 {
 constexpr int kTile = 64;  // weight rows per tile: 4 vectors of 16
 constexpr int kGroups = kTile / 16;
 constexpr int kMr = 6;     // rows of x per micro-kernel call
+constexpr int kFewRows = 8;  // up to this many rows of x: weights dequantised in registers, no tile
 constexpr int64_t kKc = 128;  // k per pass of the micro-kernel over all rows (128 x 64 fp32 = 32 KB)
 
 // 16 rows x 16 bytes (row i at p + i * stride) -> out[c] (c = 0..3): dword i = bytes 4c..4c+3 of row i.
@@ -183,10 +184,10 @@ static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, c
   }
 }
 
-// 1-3 rows: accumulators stay in registers across all of K; weights are dequantised in registers.
+// Up to 8 rows: accumulators stay in registers across all of K; weights are dequantised in registers.
 template <int R>
-static void tile_few_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* /*blk*/,
-                          float* y, const float* bias) {
+static void tile_few_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* y,
+                          const float* bias) {
   const int64_t kp = w.KB * kBlock;
   __m512 acc[R][4];
   for (int g = 0; g < kGroups; ++g) {
@@ -195,21 +196,6 @@ static void tile_few_rows(const float* x, const QWeight& w, const TileScales& sc
     if (t0 + g * 16 < w.N)
       for (int64_t b = 0; b < w.KB; ++b) group_block<R>(w, t0, g, b, sc, x, kp, a);
     for (int i = 0; i < R; ++i) acc[i][g] = a[i];
-  }
-  store_rows<R>(acc, y + t0, w.N, bias ? bias + t0 : nullptr, w.N - t0);
-}
-
-// 4-6 rows: accumulators stay in registers across all of K; one block of the tile at a time in L1.
-template <int R>
-static void tile_block_rows(const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
-                            const float* bias) {
-  const int64_t kp = w.KB * kBlock;
-  __m512 acc[R][4];
-  for (int i = 0; i < R; ++i)
-    for (int v = 0; v < 4; ++v) acc[i][v] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < w.KB; ++b) {
-    dequant_block(w, t0, b, sc, blk);
-    fma_rows<R>(x, kp, blk, b * kBlock, (b + 1) * kBlock, acc);
   }
   store_rows<R>(acc, y + t0, w.N, bias ? bias + t0 : nullptr, w.N - t0);
 }
@@ -229,15 +215,17 @@ static void rows_over_tile(const float* x, int64_t kp, const float* tile, int64_
   store_rows<R>(acc, y, ldy, k1 == kp ? bias : nullptr, cols);
 }
 
-static void few_rows(int r, const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* blk, float* y,
+static void few_rows(int r, const float* x, const QWeight& w, const TileScales& sc, int64_t t0, float* y,
                      const float* bias) {
   switch (r) {
-    case 1: tile_few_rows<1>(x, w, sc, t0, blk, y, bias); break;
-    case 2: tile_few_rows<2>(x, w, sc, t0, blk, y, bias); break;
-    case 3: tile_few_rows<3>(x, w, sc, t0, blk, y, bias); break;
-    case 4: tile_block_rows<4>(x, w, sc, t0, blk, y, bias); break;
-    case 5: tile_block_rows<5>(x, w, sc, t0, blk, y, bias); break;
-    default: tile_block_rows<6>(x, w, sc, t0, blk, y, bias); break;
+    case 1: tile_few_rows<1>(x, w, sc, t0, y, bias); break;
+    case 2: tile_few_rows<2>(x, w, sc, t0, y, bias); break;
+    case 3: tile_few_rows<3>(x, w, sc, t0, y, bias); break;
+    case 4: tile_few_rows<4>(x, w, sc, t0, y, bias); break;
+    case 5: tile_few_rows<5>(x, w, sc, t0, y, bias); break;
+    case 6: tile_few_rows<6>(x, w, sc, t0, y, bias); break;
+    case 7: tile_few_rows<7>(x, w, sc, t0, y, bias); break;
+    default: tile_few_rows<8>(x, w, sc, t0, y, bias); break;
   }
 }
 
@@ -263,8 +251,8 @@ void gemm_avx512(const float* x, int64_t M, const QWeight& w, const float* bias,
   thread_local TileScales sc;  // reused: no allocation per tile
   for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
     sc.load(w, t0);
-    if (M <= kMr) {
-      few_rows(static_cast<int>(M), x, w, sc, t0, buf, y, bias);
+    if (M <= kFewRows) {
+      few_rows(static_cast<int>(M), x, w, sc, t0, y, bias);
       continue;
     }
     for (int64_t b = 0; b < w.KB; ++b) dequant_block(w, t0, b, sc, buf + b * kBlock * kTile);
