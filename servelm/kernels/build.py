@@ -53,9 +53,22 @@ def _missing_tools() -> str | None:
         return f"no C++ compiler ({compiler}) on PATH"
     from torch.utils.cpp_extension import is_ninja_available
 
+    _put_pip_ninja_on_path()
     if not is_ninja_available():
         return "ninja is not installed"
     return None
+
+
+def _put_pip_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` dependency installs it beside this Python, which is not on
+    PATH when servelm runs as `.venv/bin/servelm` without an activated venv."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + (os.pathsep + path if path else "")
 
 
 def _build_and_load(name: str, build_dir: Path) -> None:
