@@ -104,3 +104,8 @@ def load_quant_ops() -> bool:
             problem = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:300]})"
     logger.warning("servelm quantised-weight kernels unavailable, using the slower torch path: %s", problem)
     return False
+
+
+if __name__ == "__main__":  # `python -m servelm.kernels.build`: build now (make setup), not on first use
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    load_quant_ops()
