@@ -10,9 +10,9 @@ import torch
 
 from servelm.config import ConfigError, ServerArgs
 from servelm.kernels import quant
-from servelm.layers import embedding, linear
+from servelm.layers import batch_invariant, embedding, linear
 from servelm.layers.embedding import VocabParallelEmbedding
-from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, quant_linear
 from servelm.model_executor.forward_batch import ForwardBatch
 from servelm.model_executor.model_runner import ModelRunner
 from servelm.model_loader import load_model_source
@@ -146,3 +146,20 @@ def test_hf_model_quantised_at_load(tmp_path: Path, default_tokenizer_dir: Path)
     a, b = _logits(fp32, ids), _logits(int8, ids)
     # Measured 2.5% on this random model (Q8_0 rounds each weight by up to 0.4% of its block's largest).
     assert (a - b).norm() < 0.05 * a.norm()
+
+
+@pytest.mark.parametrize("backend", [None, "torch"], ids=["kernel", "torch-fallback"])
+def test_deterministic_mode_rows_do_not_depend_on_the_batch(backend: str | None) -> None:
+    """The C++ kernel is batch-invariant as it is; the torch fallback is padded to probed row counts."""
+    gen = torch.Generator().manual_seed(1)
+    qw, bias = quant.quantize(torch.randn(96, 64, generator=gen), "q4_1"), torch.randn(96, generator=gen)
+    x = torch.randn(40, 64, generator=gen)
+    quant.force_backend(backend)
+    batch_invariant.set_batch_invariant(True)
+    try:
+        full = quant_linear(x, qw, bias)
+        for m in (1, 2, 3, 11, 17):
+            assert torch.equal(quant_linear(x[:m], qw, bias), full[:m]), m
+    finally:
+        batch_invariant.set_batch_invariant(False)
+        quant.force_backend(None)
