@@ -163,3 +163,22 @@ def test_deterministic_mode_rows_do_not_depend_on_the_batch(backend: str | None)
     finally:
         batch_invariant.set_batch_invariant(False)
         quant.force_backend(None)
+
+
+@pytest.mark.parametrize(("arch", "gguf_arch", "fmt", "extra"), [
+    ("LlamaForCausalLM", "llama", "Q4_0", {"tie_word_embeddings": False}),  # untied LM head: its own blocks
+    ("Qwen2ForCausalLM", "qwen2", "Q8_0", {"tie_word_embeddings": True}),  # q/k/v bias next to the blocks
+    ("Qwen3ForCausalLM", "qwen3", "Q4_1", {"head_dim": 16, "tie_word_embeddings": False}),
+])
+def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, arch: str, gguf_arch: str, fmt: str,
+                                                    extra: dict) -> None:
+    """Blocks kept from the file hold the very values `none` dequantises: the logits agree to fp32 rounding."""
+    from tests.models.test_model_loader import _tiny_model
+
+    write_gguf(tmp_path / "m.gguf", gguf_arch, _tiny_model(arch, **extra), quantize=fmt)
+    common = {"model_path": str(tmp_path / "m.gguf"), "tokenizer_path": str(tiny_llama[0]), "max_total_tokens": 64}
+    fp32 = ModelRunner(ServerArgs(**common, quantization="none"))
+    kept = ModelRunner(ServerArgs(**common))
+    assert set(kept.weight_formats()) == {fmt.lower()} and set(fp32.weight_formats()) == {"float32"}
+    ids = [5, 17, 30, 42, 7, 60, 11]
+    torch.testing.assert_close(_logits(kept, ids), _logits(fp32, ids), rtol=1e-4, atol=1e-4)
