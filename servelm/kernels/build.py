@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("quant_ops.cpp", "quant_scalar.cpp", "quant_avx2.cpp", "quant_avx512.cpp")
-CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]  # no fp contraction: dequantised values stay exactly gguf's
+CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # no fp contraction: dequantised values stay
+# exactly gguf's; OpenMP: at::parallel_for is inline, so without it the kernel runs on one thread
+LDFLAGS = ["-fopenmp"]
 CACHE_ENV = "SERVELM_KERNEL_CACHE"
 
 
@@ -41,7 +43,7 @@ def build_key() -> str:
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
-    h.update(repr((CFLAGS, torch.__version__, sys.version_info[:2], platform.machine())).encode())
+    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine())).encode())
     return h.hexdigest()[:16]
 
 
@@ -83,7 +85,8 @@ def _build_and_load(name: str, build_dir: Path) -> None:
         (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, stale if a builder died
         logger.info("Building servelm's quantised-weight kernels (once per machine, ~1 min) in %s", build_dir)
         t0 = time.monotonic()
-        load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, build_directory=str(build_dir),
+        load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+             build_directory=str(build_dir),
              is_python_module=False, verbose=False)
         (build_dir / "complete").touch()
         logger.info("Built servelm's quantised-weight kernels in %.1f s", time.monotonic() - t0)
