@@ -99,15 +99,22 @@ class ServerState(ServerLifecycle):
 # ------------------------------------------------------------- the app
 def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
     """The FastAPI app over `state`; `lifespan` (launch's) starts and stops the scheduler link."""
-    manager = state.manager
     app = FastAPI(title="servelm", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     # /ping is SageMaker's /health: open to probes, like /health.
     app.add_middleware(GuardMiddleware, state=state, is_open=lambda path: path == "/ping" or is_open_path(path))
-    chat, completions, native = ServingChat(state), ServingCompletions(state), ServingNative(state)
-    responses, scoring = ServingResponses(state), ServingScore(state)
+    native = ServingNative(state)
+    _openai_routes(app, state, ServingChat(state), ServingCompletions(state), ServingResponses(state), native)
+    _native_routes(app, native, ServingScore(state))
+    _operations_routes(app, state, native)
+    mount_chat_page(app)
+    return app
 
-    # ---------------------------------------------------- OpenAI API
+
+def _openai_routes(app: FastAPI, state: ServerState, chat: ServingChat, completions: ServingCompletions,
+                   responses: ServingResponses, native: ServingNative) -> None:
+    """/v1/models, chat, completions, responses and SageMaker's /invocations."""
+
     def model_card() -> ModelCard:
         # root names the model, never the server's file path; max_model_len is --context-length when given.
         return ModelCard(id=state.model_name, root=state.model_name, max_model_len=native.max_model_len or None)
@@ -162,7 +169,9 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
         return await serve.create(req, request)
 
-    # ---------------------------------------------------- native API
+
+def _native_routes(app: FastAPI, native: ServingNative, scoring: ServingScore) -> None:
+    """SGLang's native API: /generate, /v1/score, tokenize and detokenize."""
     @app.post("/v1/score")
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         return await scoring.score(req, request)
@@ -181,7 +190,11 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
         return await native.detokenize(req)
 
-    # ------------------------------------------------- operations
+
+def _operations_routes(app: FastAPI, state: ServerState, native: ServingNative) -> None:
+    """Health, load, version, model and server info, cache flush, abort, metrics."""
+    manager = state.manager
+
     @app.get("/health")
     async def health() -> Response:
         return health_response(state)
@@ -229,6 +242,3 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
             with contextlib.suppress(SchedulerUnavailableError):
                 state.metrics.update_scheduler_state(await manager.server_info(timeout=5))
         return Response(state.metrics.render(), media_type=state.metrics.content_type)
-
-    mount_chat_page(app)
-    return app
