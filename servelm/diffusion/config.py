@@ -58,7 +58,7 @@ class DiffusionServerArgs:
         checks = [
             (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
             (self.max_batch_size >= 1, f"--max-batch-size must be >= 1, got {self.max_batch_size}"),
-            (self.max_queued_requests >= 0, f"--max-queued-requests must be >= 0, got {self.max_queued_requests}"),
+            (self.max_queued_requests >= 1, f"--max-queued-requests must be >= 1, got {self.max_queued_requests}"),
             (self.batch_wait_ms >= 0, f"--batch-wait-ms must be >= 0, got {self.batch_wait_ms}"),
             (self.max_image_size >= 8, f"--max-image-size must be >= 8, got {self.max_image_size}"),
             (self.max_inference_steps >= 1, f"--max-inference-steps must be >= 1, got {self.max_inference_steps}"),

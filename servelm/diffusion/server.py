@@ -107,8 +107,12 @@ def build_job(state: DiffusionState, req: ImageGenerationRequest | ImageEditRequ
     job = ImageJob(prompt=req.prompt, n=req.n, width=width, height=height, steps=steps, guidance=guidance,
                    seed=seed, negative_prompt=req.negative_prompt)
     if image is not None:
+        strength = req.strength  # type: ignore[union-attr]
+        if int(steps * strength) < 1:  # img2img denoises int(steps x strength) steps: none is a pipeline error
+            raise bad(f"num_inference_steps ({steps}) x strength ({strength}) must be at least 1 for an edit",
+                      "strength")
         job.image = image if image.size == (width, height) else image.resize((width, height), Image.LANCZOS)
-        job.strength = req.strength  # type: ignore[union-attr]
+        job.strength = strength
     return job
 
 
@@ -219,7 +223,7 @@ def build_app(state: DiffusionState, lifespan: Any = None) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=state.args.model_name, root=state.args.model_path)])
+        return ModelList(data=[ModelCard(id=state.args.model_name, root=state.args.model_name)])
 
     @app.get("/models")
     async def model_info() -> dict[str, Any]:

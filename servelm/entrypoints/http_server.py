@@ -157,7 +157,11 @@ def _openai_routes(app: FastAPI, state: ServerState, chat: ServingChat, completi
     @app.post("/invocations")
     async def invocations(request: Request) -> Any:
         """SageMaker's inference route: chat when the body has messages, completions when it has a prompt."""
-        return await invoke(await request.json(), request)
+        try:
+            body = await request.json()
+        except ValueError as exc:  # malformed JSON or not UTF-8
+            raise bad(f"Malformed JSON body: {exc}", "body") from None
+        return await invoke(body, request)
 
     async def invoke(body: Any, request: Request) -> Any:
         if not isinstance(body, dict) or not ({"messages", "prompt"} & set(body)):

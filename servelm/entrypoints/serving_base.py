@@ -68,7 +68,7 @@ def constraints_of(req: Any) -> list[tuple[str, str, str]]:
 
 def check_request_options(req: Any) -> None:
     """400s for option combinations that cannot be served: stream_options without stream, beam search,
-    prompt_logprobs out of range or streamed, truncate_prompt_tokens out of range."""
+    prompt_logprobs out of range or streamed (truncate_prompt_tokens: `OpenAIServing.truncate`)."""
     if req.stream_options is not None and not req.stream:
         raise bad("stream_options can only be given when stream is true", "stream_options")
     if req.use_beam_search:
@@ -79,9 +79,6 @@ def check_request_options(req: Any) -> None:
             raise bad(error, "prompt_logprobs")
         if req.stream:
             raise bad("prompt_logprobs is not available when stream is true", "prompt_logprobs")
-    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens < 1 and req.truncate_prompt_tokens != -1:
-        raise bad(f"truncate_prompt_tokens must be at least 1 (or -1: the context length), got "
-                  f"{req.truncate_prompt_tokens}", "truncate_prompt_tokens")
 
 
 def json_schema_of(fmt: ResponseFormat | None) -> str | None:
@@ -120,11 +117,15 @@ class OpenAIServing:
             raise bad(error, param)
 
     def truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the last `keep` tokens of a prompt (-1: the context length)."""
+        """vLLM's truncate_prompt_tokens: the last `keep` tokens of a prompt; -1 keeps as many as leave room
+        for one generated token in the context. Checked here, before the prompt is cut."""
         if keep is None:
             return ids
-        keep = self.manager.context_length if keep == -1 else keep
-        return ids[-keep:] if keep else ids
+        if keep < 1 and keep != -1:
+            raise bad(f"truncate_prompt_tokens must be at least 1 (or -1: as many as fit the context), got {keep}",
+                      "truncate_prompt_tokens")
+        keep = max(1, self.manager.context_length - 1) if keep == -1 else keep
+        return ids[-keep:]
 
     def token_str(self, token_id: int, as_ids: bool = False) -> str:
         """A token as logprobs show it: its text, or vLLM's `token_id:N` (return_tokens_as_token_ids)."""

@@ -44,7 +44,8 @@ class Stored:
 
 
 class ResponseStore:
-    """Responses by id, at most `size`, least recently used evicted first."""
+    """Responses by id: at most `size` finished ones, least recently used evicted first (a response still
+    queued or in progress is never evicted: it stays retrievable and cancellable until it ends)."""
 
     def __init__(self, size: int = STORE_SIZE) -> None:
         self.size = size
@@ -53,8 +54,11 @@ class ResponseStore:
     def put(self, entry: Stored) -> None:
         self._items[entry.response.id] = entry
         self._items.move_to_end(entry.response.id)
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        excess = len(self._items) - self.size
+        if excess > 0:
+            finished = [rid for rid, item in self._items.items() if item.response.finished][:excess]
+            for rid in finished:
+                del self._items[rid]
 
     def get(self, response_id: str) -> Stored:
         entry = self._items.get(response_id)
@@ -114,6 +118,7 @@ class ServingResponses(OpenAIServing):
     def __init__(self, state: Any, store_size: int = STORE_SIZE) -> None:
         super().__init__(state)
         self.store = ResponseStore(store_size)
+        self._background: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------- create
     def conversation(self, req: ResponsesRequest) -> list[dict[str, str]]:
@@ -184,6 +189,8 @@ class ServingResponses(OpenAIServing):
             self.store.put(entry)
         if req.background:
             entry.task = asyncio.ensure_future(self._collect_in_background(group, entry))
+            self._background.add(entry.task)  # a strong reference until it ends (the store may drop the entry)
+            entry.task.add_done_callback(self._background.discard)
             return resp
         if req.stream:
             return await self.run_or_stream(group, request, self._stream(group, entry))
@@ -201,8 +208,12 @@ class ServingResponses(OpenAIServing):
     async def _collect_in_background(self, group: RequestGroup, entry: Stored) -> None:
         acc = Accumulated()
         entry.response.status = "in_progress" if entry.response.status == "queued" else entry.response.status
-        async for _, out in group.outputs():
-            acc.add(out)
+        try:
+            async for _, out in group.outputs():
+                acc.add(out)
+        except Exception as exc:  # e.g. the scheduler went away: the response fails, it does not stay in progress
+            entry.response.status, entry.response.error = "failed", {"code": "server_error", "message": str(exc)}
+            return
         finish(entry, acc)
 
     def _stream(self, group: RequestGroup, entry: Stored) -> AsyncIterator[str]:
@@ -262,8 +273,8 @@ class ServingResponses(OpenAIServing):
         resp = entry.response
         if resp.finished:
             raise bad(f"Cannot cancel response '{response_id}': it is already {resp.status}.", "response_id")
-        self.manager.abort_request(response_id)
-        resp.status = "cancelled"
+        if self.manager.abort_request(response_id):  # else it just ended: its collector records how
+            resp.status = "cancelled"
         return resp
 
     async def delete(self, response_id: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from pydantic import Field
 
-from servelm.entrypoints.http_common import bad
+from servelm.entrypoints.http_common import ApiError, bad
 from servelm.entrypoints.openai_protocol import UsageInfo, _Response, _TopRequest
 from servelm.entrypoints.serving_base import OpenAIServing
 from servelm.sampling_params import SamplingParams
@@ -89,7 +89,8 @@ class ServingScore(OpenAIServing):
         for acc in result:
             logprobs = acc.label_logprobs
             if logprobs is None or len(logprobs) != len(req.label_token_ids):
-                raise bad(f"scoring failed: {acc.finish_reason and acc.finish_reason.to_dict()}")
+                raise ApiError(500, f"scoring failed: {acc.finish_reason and acc.finish_reason.to_dict()}",
+                               type="internal_error")
             scores.append(label_scores(logprobs, req.apply_softmax))
         prompt_tokens = sum(len(p) for p in prompts)
         return ScoreResponse(scores=scores, model=self.state.model_name,

@@ -248,6 +248,8 @@ class Scheduler:
                 self._release(req)
                 break
             self.waiting.popleft()
+            if req.scheduled_at is None:  # first admitted (an attempt that found no pages does not count)
+                req.scheduled_at = time.monotonic()
             self.running.append(req)
             plan.append((req, n))
             budget -= n
@@ -270,7 +272,6 @@ class Scheduler:
             req.cached_tokens = len(slots)
             self.stats["cached_tokens"] += len(slots)
             req.admitted = True
-            req.scheduled_at = time.monotonic()
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[TokenOut]:

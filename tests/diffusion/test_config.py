@@ -25,6 +25,7 @@ def test_flags_then_config_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("argv", "config", "message"), [
     ((), None, "--model-path is required"),
     (("--model-path", "m", "--max-batch-size", "0"), None, "--max-batch-size must be >= 1, got 0"),
+    (("--model-path", "m", "--max-queued-requests", "0"), None, "--max-queued-requests must be >= 1, got 0"),
     (("--model-path", "m", "--num-threads", "0"), None, "--num-threads must be >= 1, got 0"),
     (("--model-path", "m"), "tp-size: 2\n", "unknown key 'tp-size'"),
 ])

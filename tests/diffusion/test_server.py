@@ -317,6 +317,8 @@ def test_bad_edits_are_400(server: ServerProcess) -> None:
          "multiples of 8"),
         (_edit(server, {"image": ("a.png", png.getvalue(), "image/png")}, {"prompt": "x", "quality": "hd"}),
          "quality", "Unrecognized request argument supplied: quality"),
+        (_edit(server, {"image": ("a.png", png.getvalue(), "image/png")},  # 1 step x 0.8 strength: no step at all
+               {"prompt": "x", "num_inference_steps": "1"}), "strength", "must be at least 1"),
         (httpx.post(f"{server.base_url}/v1/images/edits", json={"prompt": "x"}, headers=AUTH), "body", "multipart"),
     ]
     for response, param, text in cases:

@@ -131,6 +131,9 @@ def test_invocations_route_by_body(http: httpx.Client) -> None:
                         ({"messages": "nope"}, "messages")]:
         r = http.post("/invocations", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for raw in (b"{not json", b"\xff\xfe"):  # malformed JSON, not UTF-8: a 400, not a 500
+        r = http.post("/invocations", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
 
 
 # ------------------------------------------------------------------ metrics

@@ -156,7 +156,7 @@ def test_bad_requests(server: ServerProcess, body: dict, param: str) -> None:
 
 def test_store_is_bounded_lru() -> None:
     store = ResponseStore(size=2)
-    a, b, c = (Stored(ResponseObject(model="m"), []) for _ in range(3))
+    a, b, c = (Stored(ResponseObject(model="m", status="completed"), []) for _ in range(3))
     store.put(a)
     store.put(b)
     store.get(a.response.id)  # a is now the most recently used
@@ -164,3 +164,17 @@ def test_store_is_bounded_lru() -> None:
     assert len(store) == 2 and store.get(a.response.id) is a and store.get(c.response.id) is c
     with pytest.raises(Exception, match="not found"):
         store.get(b.response.id)
+
+
+def test_store_never_evicts_a_response_still_running() -> None:
+    store = ResponseStore(size=1)
+    running = Stored(ResponseObject(model="m", status="in_progress"), [])
+    done = Stored(ResponseObject(model="m", status="completed"), [])
+    newer = Stored(ResponseObject(model="m", status="in_progress"), [])
+    store.put(running)
+    store.put(done)  # over the limit, but the only finished one is the newest: nothing else may go
+    assert store.get(running.response.id) is running
+    store.put(newer)
+    assert store.get(running.response.id) is running and store.get(newer.response.id) is newer
+    with pytest.raises(Exception, match="not found"):
+        store.get(done.response.id)
