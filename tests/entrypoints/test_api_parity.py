@@ -223,6 +223,11 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server: ServerProcess, clien
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
     assert error(server, CMPL, {"prompt": prompt, "truncate_prompt_tokens": 0})["param"] == "truncate_prompt_tokens"
+    assert error(server, CMPL, {"prompt": "a b", "truncate_prompt_tokens": -5})["param"] == "truncate_prompt_tokens"
+    # -1: as many of the last tokens as leave room for one generated token, however long the prompt.
+    long = client.completions.create(model="x", prompt="word " * 1500, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1})
+    assert 256 < long.usage.prompt_tokens < 768 and long.usage.completion_tokens == 1
 
 
 # ---------------------------------------------------------------- 4. streaming
