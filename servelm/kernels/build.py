@@ -97,9 +97,9 @@ def load_quant_ops() -> bool:
     """Build (first time) and load the kernels; False, after one warning line, when that is not possible."""
     problem = _missing_tools()
     if problem is None:
-        key = build_key()
-        build_dir = cache_root() / key
         try:
+            key = build_key()
+            build_dir = cache_root() / key
             build_dir.mkdir(parents=True, exist_ok=True)
             _build_and_load(f"servelm_quant_{key}", build_dir)
             return True

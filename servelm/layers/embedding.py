@@ -43,6 +43,9 @@ class VocabParallelEmbedding(nn.Module):
         param.data[rows:].zero_()  # the padded vocab rows
 
     def _load_quantized(self, loaded: QuantWeight, rows: int) -> None:
+        if loaded.shape[1] != self.hidden_size:
+            raise ValueError(f"{type(self).__name__}: the checkpoint's quantised weight has {loaded.shape[1]} "
+                             f"columns, the model's hidden size is {self.hidden_size}")
         part = quant.narrow_rows(loaded, self.start, rows)
         if rows < self.shard_size:  # the padded vocab rows: zero blocks
             pad = quant.quantize(torch.zeros(self.shard_size - rows, loaded.shape[1]), loaded.fmt)

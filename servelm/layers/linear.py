@@ -75,7 +75,11 @@ class PrepackMixin:
         formats = {qw.fmt for qw in shards.values()}
         if len(shards) == self._num_shards and len(formats) == 1:
             parts = [shards[i] for i in sorted(shards)]
-            self.qweight = parts[0] if len(parts) == 1 else quant.cat_rows(parts)
+            qweight = parts[0] if len(parts) == 1 else quant.cat_rows(parts)
+            if qweight.shape != (self.out_features, self.in_features):  # fp32's copy_ would have refused it
+                raise ValueError(f"{type(self).__name__}: the checkpoint's quantised weight is {list(qweight.shape)}, "
+                                 f"the model expects [{self.out_features}, {self.in_features}]")
+            self.qweight = qweight
             self.register_parameter("weight", None)
             return
         logger.info("%s: weight shards in %s and fp32 mixed; dequantised to fp32", type(self).__name__,

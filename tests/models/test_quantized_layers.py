@@ -89,6 +89,17 @@ def test_row_parallel_split_inside_a_block_is_a_clear_error(fake_tp) -> None:
         layer.weight_loader(layer.weight, quant.quantize(torch.randn(64, 96), "q4_0"))
 
 
+def test_quantised_weight_of_the_wrong_shape_is_refused_at_load(fake_tp) -> None:
+    fake_tp(0, 1)
+    layer = RowParallelLinear(64, 32)
+    layer.weight_loader(layer.weight, quant.quantize(torch.randn(32, 96), "q8_0"))  # K 96, the model says 64
+    with pytest.raises(ValueError, match=r"quantised weight is \[32, 96\], the model expects \[32, 64\]"):
+        layer.finish_loading()
+    emb = VocabParallelEmbedding(100, 64)
+    with pytest.raises(ValueError, match="has 96 columns, the model's hidden size is 64"):
+        emb.weight_loader(emb.weight, quant.quantize(torch.randn(100, 96), "q8_0"))
+
+
 def test_prepack_frees_the_plain_weight() -> None:
     layer = RowParallelLinear(64, 32)
     layer.weight.data.normal_()
