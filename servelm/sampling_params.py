@@ -22,6 +22,10 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+MAX_STOP_REGEX = 16
+MAX_STOP_REGEX_CHARS = 1024
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -119,6 +123,10 @@ class SamplingParams:
         for token, value in self.logit_bias.items():
             if not isinstance(value, (int, float)) or not -100 <= value <= 100:
                 bad("logit_bias", f"logit_bias values must be in [-100, 100], got {value!r} for token {token}")
+        if len(self.stop_regex) > MAX_STOP_REGEX or any(len(str(p)) > MAX_STOP_REGEX_CHARS for p in self.stop_regex):
+            # Each is searched over the output after every token, in the scheduler loop: bound the work.
+            bad("stop_regex", f"stop_regex: at most {MAX_STOP_REGEX} patterns of at most {MAX_STOP_REGEX_CHARS} "
+                              "characters each")
         for pattern in self.stop_regex:
             try:
                 regex.compile(pattern)

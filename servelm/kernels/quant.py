@@ -33,6 +33,7 @@ _GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4
 # bytes of one ggml block: fp16 scale (+ fp16 min for q4_1) then the payload
 _HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
 _PAYLOAD = {"q8_0": 32, "q4_0": 16, "q4_1": 16}
+TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512" or "torch": one path (tests, benchmarks)
 
 
@@ -198,8 +199,11 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -
     if x.shape[-1] != k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {k}")
     backend = _backend or kernel_backend()
-    if backend == "torch":
-        return F.linear(x.to(torch.float32), dequantize(qw), bias)
+    if backend == "torch":  # dequantised a slice of rows at a time: never a whole fp32 copy of a big weight
+        x32 = x.to(torch.float32)
+        return torch.cat([F.linear(x32, dequantize(narrow_rows(qw, r, min(TORCH_ROWS, n - r))),
+                                   None if bias is None else bias[r:r + TORCH_ROWS]) for r in range(0, n, TORCH_ROWS)],
+                         dim=-1)
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.dtype != torch.float32:
         x2 = x2.to(torch.float32)

@@ -96,6 +96,10 @@ def test_sampling_params_range_checks_of_issue_15() -> None:
     assert exc.value.param == "logit_bias" and str(exc.value).endswith("got 'x', 10, -2")
     with pytest.raises(SamplingParamsError, match="stop_regex: not a valid regular expression"):
         SamplingParams(stop_regex="(a").validate(10)
+    SamplingParams(stop_regex=["a"] * 16).validate(10)
+    for patterns in (["a"] * 17, ["a" * 1025]):  # searched after every token in the scheduler loop: bounded
+        with pytest.raises(SamplingParamsError, match="at most 16 patterns of at most 1024 characters"):
+            SamplingParams(stop_regex=patterns).validate(10)
 
 
 def test_constraints_of_reads_every_spelling() -> None:

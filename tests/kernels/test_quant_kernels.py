@@ -178,3 +178,16 @@ def test_forcing_a_path(monkeypatch):
         assert quant.kernel_backend() == ("scalar" if KERNELS else "torch")
     finally:
         quant.force_backend(None)
+
+
+def test_torch_fallback_dequantises_a_slice_of_rows_at_a_time(monkeypatch):
+    qw, bias, x = quant.quantize(torch.randn(37, 64), "q4_1"), torch.randn(37), torch.randn(5, 64)
+    try:
+        quant.force_backend("torch")
+        whole = quant.linear(x, qw, bias)
+        monkeypatch.setattr(quant, "TORCH_ROWS", 8)  # 37 rows in slices of 8: the same product
+        torch.testing.assert_close(quant.linear(x, qw, bias), whole, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(whole, torch.nn.functional.linear(x, quant.dequantize(qw), bias), rtol=1e-5,
+                                   atol=1e-5)
+    finally:
+        quant.force_backend(None)
