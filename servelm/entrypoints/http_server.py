@@ -176,6 +176,7 @@ def _openai_routes(app: FastAPI, state: ServerState, chat: ServingChat, completi
 
 def _native_routes(app: FastAPI, native: ServingNative, scoring: ServingScore) -> None:
     """SGLang's native API: /generate, /v1/score, tokenize and detokenize."""
+
     @app.post("/v1/score")
     async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
         return await scoring.score(req, request)

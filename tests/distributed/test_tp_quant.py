@@ -4,22 +4,15 @@ padded with zero blocks) and TP=2 gives the TP=1 tokens, also through the LM-hea
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 
 from servelm.entrypoints.engine import Engine
 from tests.conftest import build_tiny_model
+from tests.distributed.test_tp import GREEDY, _assert_same, _prompts
 from tests.models.gguf_files import write_gguf
 from tests.test_deterministic import _switch_off_afterwards, _variants  # noqa: F401 (the fixture is autouse)
-
-GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True, "prompt_logprobs": True}
-
-
-def _prompts(n: int = 4, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 40))] for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +38,6 @@ def _run(model: tuple[Path, Path], **kw) -> list[dict]:
         return engine.generate(input_ids=_prompts(), sampling_params=GREEDY)
     finally:
         engine.shutdown()
-
-
-def _assert_same(a: list[dict], b: list[dict]) -> None:
-    for x, y in zip(a, b, strict=True):
-        assert x["output_ids"] == y["output_ids"]
-        assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4
-        assert max(abs(p - q) for p, q in zip(x["prompt_logprobs"][1:], y["prompt_logprobs"][1:], strict=True)) < 1e-4
 
 
 def test_tp2_q4_1_equals_tp1(q4_1_gguf) -> None:
