@@ -92,7 +92,6 @@ def json_schema_of(fmt: ResponseFormat | None) -> str | None:
     return json.dumps(fmt.json_schema.schema_)
 
 
-
 class OpenAIServing:
     """The shared half of the endpoints; `ServingChat`, `ServingCompletions` and `ServingNative` add theirs."""
 
