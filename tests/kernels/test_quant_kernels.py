@@ -15,7 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 from servelm.kernels import build, quant
 
 GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
 
 
 def _kernel_paths() -> list[str]:
@@ -40,10 +40,20 @@ def _weight(n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, quan
     return w, quant.quantize(w, fmt)
 
 
+def _code_step(x: torch.Tensor) -> torch.Tensor:
+    """Per element of x, the step of the kernel's int16 codes: 2^(e - 15) for its block's max |x| = f * 2^e."""
+    k = x.shape[-1]
+    blocks = torch.nn.functional.pad(x, (0, -k % quant.BLOCK)).unflatten(-1, (-1, quant.BLOCK))
+    _, e = torch.frexp(blocks.abs().amax(-1, keepdim=True))
+    return torch.ldexp(torch.ones(()), (e - 15).double()).expand_as(blocks).flatten(-2)[..., :k]
+
+
 def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> None:
     w = quant.dequantize(qw).double()
     ref = x.double() @ w.T + (bias.double() if bias is not None else 0)
     bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
+    if quant.kernel_backend() != "torch":  # x rounded to int16 codes: at most half a step per element
+        bound = bound + (_code_step(x.double()) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
 
@@ -90,6 +100,29 @@ def test_linear_is_batch_invariant(path, fmt):
         assert torch.equal(quant.linear(other, qw, bias)[:3], full[:3])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_vnni_and_plain_avx512_give_the_same_bits(fmt):
+    """Both compute the same exact int32 block sums (vpdpwssd vs vpmaddwd + vpaddd), then the same fp32 steps."""
+    g = torch.Generator().manual_seed(5)
+    _, qw = _weight(75, 600, fmt, seed=6)
+    x = torch.randn(9, 600, generator=g)
+    try:
+        outs = [quant.force_backend(isa) and quant.linear(x, qw) for isa in ("avx512", "avx512_vnni")]
+    finally:
+        quant.force_backend(None)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("path", KERNELS, indirect=True)
+def test_nan_and_inf_in_x_propagate(path):
+    _, qw = _weight(40, 96, "q4_1", seed=7)
+    x = torch.randn(3, 96)
+    x[0, 5], x[1, 70] = float("nan"), float("inf")
+    y = quant.linear(x, qw)
+    assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
 
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)

@@ -1,7 +1,9 @@
-// AVX2 + FMA kernel: the AVX-512 kernel's structure with 8 lanes and a 3 x 4 micro-kernel (16 ymm registers).
+// AVX2 + FMA + F16C kernel of the scheme in quant_common.h: 8 lanes, one block at a time (vpmaddwd +
+// vpaddd on the block's 32 int16 codes of x), NR x R micro-tiles as in the AVX-512 kernel.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "quant_common.h"
 
@@ -11,65 +13,8 @@
 namespace servelm_quant {
 namespace avx2 {
 
-constexpr int MR = 3;
-constexpr int NR = 4;
-
-static inline void scales8(const uint16_t* h, int64_t count, float* out) {
-  alignas(16) uint16_t tmp[8] = {0};
-  std::memcpy(tmp, h, static_cast<size_t>(count) * 2);
-  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp))));
-}
-
-// 16 int8 values (signed) -> two 8-float vectors, times the scale (plus the min when given).
-static inline void store16(__m128i q, bool is_signed, __m256 dv, const __m256* mv, float* o) {
-  const __m128i q_hi = _mm_srli_si128(q, 8);
-  __m256i a = is_signed ? _mm256_cvtepi8_epi32(q) : _mm256_cvtepu8_epi32(q);
-  __m256i b = is_signed ? _mm256_cvtepi8_epi32(q_hi) : _mm256_cvtepu8_epi32(q_hi);
-  __m256 fa = _mm256_mul_ps(_mm256_cvtepi32_ps(a), dv);
-  __m256 fb = _mm256_mul_ps(_mm256_cvtepi32_ps(b), dv);
-  if (mv) {
-    fa = _mm256_add_ps(fa, *mv);
-    fb = _mm256_add_ps(fb, *mv);
-  }
-  _mm256_storeu_ps(o, fa);
-  _mm256_storeu_ps(o + 8, fb);
-}
-
-static void dequant_row(const QWeight& w, int64_t n, float* out) {
-  const int64_t kb = w.KB;
-  const uint16_t* d = w.d + n * kb;
-  const uint16_t* m = w.m ? w.m + n * kb : nullptr;
-  const __m128i low4 = _mm_set1_epi8(0x0f);
-  const __m128i eight = _mm_set1_epi8(8);
-  alignas(32) float ds[8], ms[8];
-  for (int64_t c = 0; c < kb; c += 8) {
-    const int64_t cnt = std::min<int64_t>(8, kb - c);
-    scales8(d + c, cnt, ds);
-    if (m) scales8(m + c, cnt, ms);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int64_t b = c + i;
-      const __m256 dv = _mm256_set1_ps(ds[i]);
-      float* o = out + b * kBlock;
-      if (w.fmt == Q8_0) {
-        const uint8_t* q = w.qs + (n * kb + b) * 32;
-        store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), true, dv, nullptr, o);
-        store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)), true, dv, nullptr, o + 16);
-        continue;
-      }
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
-      const __m128i lo = _mm_and_si128(raw, low4);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-      if (w.fmt == Q4_0) {
-        store16(_mm_sub_epi8(lo, eight), true, dv, nullptr, o);
-        store16(_mm_sub_epi8(hi, eight), true, dv, nullptr, o + 16);
-      } else {
-        const __m256 mv = _mm256_set1_ps(ms[i]);
-        store16(lo, false, dv, &mv, o);
-        store16(hi, false, dv, &mv, o + 16);
-      }
-    }
-  }
-}
+constexpr int kNr = 2;
+constexpr int kR = 3;
 
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -78,33 +23,120 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int R, int C>
-static inline void micro(const float* x, int64_t kp, const float* w, float* y, int64_t ldy, const float* bias) {
-  __m256 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < kp; k += 8) {
-    __m256 xv[R];
-    for (int i = 0; i < R; ++i) xv[i] = _mm256_loadu_ps(x + i * kp + k);
-    for (int j = 0; j < C; ++j) {
-      const __m256 wv = _mm256_loadu_ps(w + j * kp + k);
-      for (int i = 0; i < R; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+static inline void row_scales(const uint16_t* h, int64_t kb, int64_t padded, float* out) {
+  int64_t c = 0;
+  for (; c + 8 <= kb; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + c))));
+  if (c < kb) {
+    alignas(16) uint16_t tmp[8] = {0};
+    std::memcpy(tmp, h + c, static_cast<size_t>(kb - c) * 2);
+    _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(tmp))));
+    c += 8;
+  }
+  for (; c < padded; ++c) out[c] = 0.0f;
+}
+
+static inline float min_term(const float* mrow, const float* xsum, int64_t kb) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= kb; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(mrow + c), _mm256_loadu_ps(xsum + c), acc);
+  if (c < kb) {
+    alignas(32) float xt[8] = {0};
+    std::memcpy(xt, xsum + c, static_cast<size_t>(kb - c) * 4);
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mrow + c), _mm256_load_ps(xt), acc);  // mrow is zero-padded
+  }
+  return hsum8(acc);
+}
+
+template <Fmt F, int NR, int R>
+static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* dn, const float* mn, int64_t ld,
+                  const float* bias, float* y) {
+  const int64_t kb = w.KB;
+  __m256 acc[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi16(0x0f);
+  const __m256i eight = _mm256_set1_epi16(8);
+  for (int64_t b = 0; b < kb; ++b) {
+    __m256i wa[NR], wb[NR];  // k 0..15 and 16..31 of block b as words
+    for (int j = 0; j < NR; ++j) {
+      if constexpr (F == Q8_0) {
+        const uint8_t* p = w.qs + ((n + j) * kb + b) * 32;
+        wa[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        wb[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      } else {
+        const __m256i v = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16)));
+        wa[j] = _mm256_and_si256(v, low4);
+        wb[j] = _mm256_srli_epi16(v, 4);
+        if constexpr (F == Q4_0) {
+          wa[j] = _mm256_sub_epi16(wa[j], eight);
+          wb[j] = _mm256_sub_epi16(wb[j], eight);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int16_t* xr = x.q + ((i0 + r) * x.KBp + b) * kBlock;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16));
+      const __m256 sv = _mm256_set1_ps(x.s[(i0 + r) * x.ss + b]);
+      for (int j = 0; j < NR; ++j) {
+        const __m256i iv = _mm256_add_epi32(_mm256_madd_epi16(wa[j], xa), _mm256_madd_epi16(wb[j], xb));
+        acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iv), sv), _mm256_set1_ps(dn[j * ld + b]),
+                                    acc[j][r]);
+      }
     }
   }
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) {
-      float s = hsum8(acc[i][j]);
-      y[i * ldy + j] = bias ? s + bias[j] : s;
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float v = hsum8(acc[j][r]);
+      if constexpr (F == Q4_1) v += min_term(mn + j * ld, x.xsum + (i0 + r) * x.ss, kb);
+      y[(i0 + r) * w.N + n + j] = bias ? v + bias[n + j] : v;
     }
 }
 
-#include "quant_driver.inc"
+template <Fmt F, int NR>
+static void rows(int r, const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* dn, const float* mn,
+                 int64_t ld, const float* bias, float* y) {
+  switch (r) {
+    case 1: micro<F, NR, 1>(x, w, n, i0, dn, mn, ld, bias, y); break;
+    case 2: micro<F, NR, 2>(x, w, n, i0, dn, mn, ld, bias, y); break;
+    default: micro<F, NR, 3>(x, w, n, i0, dn, mn, ld, bias, y); break;
+  }
+}
+
+template <Fmt F>
+static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  const int64_t ld = (w.KB + 7) / 8 * 8;
+  thread_local std::vector<float> buf;
+  buf.assign(2 * kNr * ld, 0.0f);
+  float* dn = buf.data();
+  float* mn = dn + kNr * ld;
+  for (int64_t n = n0; n < n1; n += kNr) {
+    const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+    for (int j = 0; j < nr; ++j) {
+      row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
+      if (F == Q4_1) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
+    }
+    for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
+      const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));
+      if (nr == kNr) {
+        rows<F, kNr>(r, x, w, n, i0, dn, mn, ld, bias, y);
+      } else {
+        for (int j = 0; j < nr; ++j) rows<F, 1>(r, x, w, n + j, i0, dn + j * ld, mn + j * ld, ld, bias, y);
+      }
+    }
+  }
+}
 
 }  // namespace avx2
 
-void gemm_avx2(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1,
-               float* buf, int64_t nb) {
-  avx2::gemm_tiles(x, M, w, bias, y, n0, n1, buf, nb);
+void gemm_avx2(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  switch (w.fmt) {
+    case Q8_0: avx2::gemm<Q8_0>(x, w, bias, y, n0, n1); break;
+    case Q4_0: avx2::gemm<Q4_0>(x, w, bias, y, n0, n1); break;
+    default: avx2::gemm<Q4_1>(x, w, bias, y, n0, n1); break;
+  }
 }
 
 }  // namespace servelm_quant

@@ -1,4 +1,12 @@
-// Shared by the per-ISA kernel files: the weight view, fp16 scales, the entry point each ISA provides.
+// Shared by the per-ISA kernel files: the weight view, the prepared activations, fp16 scales, the entry points.
+//
+// The scheme (llama.cpp's, with 16-bit activations): each row of x is quantised per block of 32 to int16 with
+// a power-of-two scale s (|x| / s <= 32767, rounded to nearest even); a block's dot product with the weight's
+// integer codes is exact int32 arithmetic (vpdpwssd / vpmaddwd); it is scaled by s (exact, a power of two)
+// and the weight's fp16 scale d, and added to fp32 lane accumulators in block order; the lanes are summed in
+// one fixed tree, then q4_1's minimum term (sum over blocks of m * the fp32 sum of x's block) and the bias.
+// Every output element is therefore one fixed sequence of operations on its own row of x and of W, whatever
+// M is, however rows are grouped into micro-tiles and however threads split N: batch-invariant.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -18,6 +26,23 @@ struct QWeight {
   int64_t KB;
   Fmt fmt;
 };
+
+// x prepared for one ISA: int16 codes [M][KBp * 32] in that ISA's layout, block scales s [M][KBp] (padding
+// blocks: 0), fp32 block sums [M][KBp] (q4_1 only), and for the AVX-512 q4 layout the scales of each pair of
+// blocks spread over 16 lanes, [M][KBp / 2][16] (all three with the row stride `ss`).
+struct XQ {
+  const int16_t* q;
+  const float* s;
+  const float* xsum;
+  const float* spair;
+  int64_t M;
+  int64_t KBp;
+  int64_t ss;  // row stride (floats) of s, xsum and spair: row i's scales are at s + i * ss
+};
+
+// Code layouts of one row of x: natural order, or (AVX-512, q4) per pair of blocks (b, b + 1):
+// [b's k 0..15, b+1's k 0..15, b's k 16..31, b+1's k 16..31], matching nibbles widened to 16-bit words.
+enum Layout : int { kNatural = 0, kPairs = 1 };
 
 // Exact fp16 -> fp32 (normals, subnormals, inf/nan), the scalar path's conversion.
 inline float half_to_float(uint16_t h) {
@@ -39,14 +64,12 @@ inline float half_to_float(uint16_t h) {
   return out;
 }
 
-// y[:, n0:n1] = x @ W[n0:n1].T (+ bias[n0:n1]); x fp32 [M, KB * 32], y fp32 [M, N] (row stride N).
-// Rows of W are dequantised `nb` at a time into `buf` (nb * KB * 32 floats). Every output element is one
-// dot product in a fixed order that depends on neither M, n0/n1 nor nb: the kernel is batch-invariant.
-using GemmFn = void (*)(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t n0,
-                        int64_t n1, float* buf, int64_t nb);
+// y[:, n0:n1] = x @ W[n0:n1].T (+ bias[n0:n1]) with y fp32 [M, N] (row stride N).
+using GemmFn = void (*)(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1);
 
-void gemm_scalar(const float*, int64_t, const QWeight&, const float*, float*, int64_t, int64_t, float*, int64_t);
-void gemm_avx2(const float*, int64_t, const QWeight&, const float*, float*, int64_t, int64_t, float*, int64_t);
-void gemm_avx512(const float*, int64_t, const QWeight&, const float*, float*, int64_t, int64_t, float*, int64_t);
+void gemm_scalar(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
+void gemm_avx2(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
+void gemm_avx512(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
+void gemm_avx512_vnni(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 
 }  // namespace servelm_quant

@@ -1,9 +1,12 @@
-// torch ops `servelm_quant::*`: run-time ISA dispatch and threading (torch's intra-op pool) around the kernels.
+// torch ops `servelm_quant::*`: run-time ISA dispatch, activation quantisation and threading (torch's intra-op
+// pool) around the kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "quant_common.h"
@@ -11,15 +14,16 @@
 namespace servelm_quant {
 namespace {
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return kAvx512;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+    return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  if (avx2) return kAvx2;
 #endif
   return kScalar;
 }
@@ -27,31 +31,63 @@ int64_t best_isa() {
 GemmFn gemm_for(int64_t isa) {
   TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "servelm_quant: ISA level ", isa, " is not available here");
 #if defined(__x86_64__) || defined(_M_X64)
+  if (isa == kAvx512Vnni) return gemm_avx512_vnni;
   if (isa == kAvx512) return gemm_avx512;
   if (isa == kAvx2) return gemm_avx2;
 #endif
   return gemm_scalar;
 }
 
-// Weight rows dequantised per tile: an L1-sized tile for a few rows of x (decode), an L2-sized one for
-// prefill (the AVX-512 kernel has fixed 64-row tiles); never fewer tiles than ~4 per thread so the pool stays balanced. Numerics do not depend on it.
-int64_t rows_per_tile(int64_t M, int64_t N, int64_t kp, int64_t isa) {
-  if (isa == kAvx512) return 64;  // its own tile width
-  const int64_t budget = M <= 8 ? (32 << 10) : (256 << 10);
-  int64_t nb = std::clamp<int64_t>(budget / (kp * 4), 12, 96) / 12 * 12;
-  const int64_t per_thread = (N + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
-  nb = std::min(nb, std::max<int64_t>(12, (per_thread + 11) / 12 * 12));
-  return nb;
+// One row of x (KB * 32 floats) -> int16 codes in `layout`, block scales, fp32 block sums (blocks KB..KBp-1
+// are zero padding).
+void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q, float* s, float* xsum,
+              float* spair) {
+  for (int64_t b = 0; b < KBp; ++b) {
+    int16_t code[kBlock] = {0};
+    float scale = 0.0f, sum = 0.0f;
+    if (b < KB) {
+      const float* xb = x + b * kBlock;
+      float amax = 0.0f;
+      for (int k = 0; k < kBlock; ++k) {
+        amax = std::max(amax, std::fabs(xb[k]));
+        sum += xb[k];
+      }
+      if (!std::isfinite(amax) || std::isnan(sum)) {
+        scale = std::numeric_limits<float>::quiet_NaN();  // inf/nan in x: every output it touches is nan
+      } else if (amax > 0.0f) {
+        int e;
+        std::frexp(amax, &e);  // amax = f * 2^e, f in [0.5, 1): |x| * 2^(15 - e) < 32768
+        scale = std::ldexp(1.0f, e - 15);
+        for (int k = 0; k < kBlock; ++k) {
+          const float v = std::nearbyint(std::ldexp(xb[k], 15 - e));
+          code[k] = static_cast<int16_t>(std::clamp(v, -32767.0f, 32767.0f));
+        }
+      }
+    }
+    s[b] = scale;
+    if (xsum) xsum[b] = sum;
+    if (layout == kNatural) {
+      std::memcpy(q + b * kBlock, code, sizeof(code));
+    } else {
+      int16_t* pq = q + (b / 2) * 2 * kBlock + (b % 2) * 16;
+      std::memcpy(pq, code, 16 * sizeof(int16_t));
+      std::memcpy(pq + kBlock, code + 16, 16 * sizeof(int16_t));
+      for (int l = 0; l < 8; ++l) spair[(b / 2) * 16 + (b % 2) * 8 + l] = scale;
+    }
+  }
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                   int64_t fmt, const std::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
   TORCH_CHECK(fmt >= Q8_0 && fmt <= Q4_1, "unknown format ", fmt);
+  TORCH_CHECK(qs.dim() == 3, "qs: [N, KB, payload]");
   const int64_t N = qs.size(0), KB = qs.size(1), M = x.size(0), kp = KB * kBlock;
   TORCH_CHECK(x.size(1) == kp, "x has ", x.size(1), " columns, the weight ", kp);
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(2) == (fmt == Q8_0 ? 32 : 16), "qs layout");
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.size(0) == N && d.size(1) == KB, "d layout");
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N && d.size(1) == KB,
+              "d layout");
   const bool has_m = m.has_value() && m->defined();
   TORCH_CHECK(has_m == (fmt == Q4_1), "m is given exactly for q4_1");
   if (has_m) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
@@ -65,13 +101,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const QWeight w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                   has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, N, KB, static_cast<Fmt>(fmt)};
   const GemmFn fn = gemm_for(isa);
-  const int64_t nb = rows_per_tile(M, N, kp, isa);
+  const bool wide = isa >= kAvx512;
+  const int64_t KBp = wide ? (KB + 1) / 2 * 2 : KB;
+  const Layout layout = wide && fmt != Q8_0 ? kPairs : kNatural;
+  at::Tensor xq = at::empty({M, KBp * kBlock}, x.options().dtype(at::kShort));
+  at::Tensor sc = at::empty({M, KBp * (has_m ? 2 : 1) + (layout == kPairs ? KBp * 8 : 0)}, x.options());
+  const int64_t sstride = sc.size(1);
   const float* xp = x.data_ptr<float>();
+  int16_t* qp = xq.data_ptr<int16_t>();
+  float* sp = sc.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0; i < m1; ++i) {
+      float* row = sp + i * sstride;
+      prep_row(xp + i * kp, KB, KBp, layout, qp + i * KBp * kBlock, row, has_m ? row + KBp : nullptr,
+               layout == kPairs ? row + KBp * (has_m ? 2 : 1) : nullptr);
+    }
+  });
+  const XQ xv{qp, sp, has_m ? sp + KBp : nullptr, layout == kPairs ? sp + KBp * (has_m ? 2 : 1) : nullptr, M, KBp,
+              sstride};
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> buf;
-    if (static_cast<int64_t>(buf.size()) < nb * kp) buf.resize(nb * kp);
-    fn(xp, M, w, bp, yp, t0 * nb, std::min(N, t1 * nb), buf.data(), nb);
+  constexpr int64_t kRows = 16;  // weight rows per unit of work
+  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
+    fn(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
   });
   return y;
 }

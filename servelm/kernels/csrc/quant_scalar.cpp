@@ -1,58 +1,40 @@
-// Portable kernel (any CPU, no SIMD assumptions): the same tiles, a plain in-order dot product per output.
-#include <algorithm>
-
+// Portable kernel (any CPU, no SIMD assumptions): the scheme of quant_common.h with one fp32 accumulator per
+// output, blocks in order.
 #include "quant_common.h"
 
 namespace servelm_quant {
-namespace scalar {
+namespace {
 
-constexpr int MR = 1;
-constexpr int NR = 4;
-
-static void dequant_row(const QWeight& w, int64_t n, float* out) {
+float row_dot(const XQ& x, int64_t i, const QWeight& w, int64_t n) {
   const int64_t kb = w.KB;
+  const int16_t* xq = x.q + i * x.KBp * kBlock;
+  const float* s = x.s + i * x.ss;
+  const int off = w.fmt == Q4_0 ? 8 : 0;
+  float acc = 0.0f, msum = 0.0f;
   for (int64_t b = 0; b < kb; ++b) {
-    const float d = half_to_float(w.d[n * kb + b]);
-    float* o = out + b * kBlock;
+    const int16_t* xb = xq + b * kBlock;
+    int32_t dot = 0;
     if (w.fmt == Q8_0) {
       const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n * kb + b) * 32;
-      for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-      continue;
+      for (int k = 0; k < 32; ++k) dot += static_cast<int32_t>(q[k]) * xb[k];
+    } else {
+      const uint8_t* q = w.qs + (n * kb + b) * 16;
+      for (int j = 0; j < 16; ++j) dot += ((q[j] & 15) - off) * xb[j] + ((q[j] >> 4) - off) * xb[j + 16];
     }
-    const uint8_t* q = w.qs + (n * kb + b) * 16;
-    const float m = w.fmt == Q4_1 ? half_to_float(w.m[n * kb + b]) : 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      const int lo = q[j] & 0x0f, hi = q[j] >> 4;
-      if (w.fmt == Q4_0) {
-        o[j] = static_cast<float>(lo - 8) * d;
-        o[j + 16] = static_cast<float>(hi - 8) * d;
-      } else {
-        o[j] = static_cast<float>(lo) * d + m;
-        o[j + 16] = static_cast<float>(hi) * d + m;
-      }
-    }
+    acc += static_cast<float>(dot) * s[b] * half_to_float(w.d[n * kb + b]);
+    if (w.m) msum += half_to_float(w.m[n * kb + b]) * x.xsum[i * x.ss + b];
   }
+  return acc + msum;
 }
 
-template <int R, int C>
-static inline void micro(const float* x, int64_t kp, const float* w, float* y, int64_t ldy, const float* bias) {
-  for (int i = 0; i < R; ++i)
-    for (int j = 0; j < C; ++j) {
-      const float* xr = x + i * kp;
-      const float* wr = w + j * kp;
-      float s = 0.0f;
-      for (int64_t k = 0; k < kp; ++k) s += xr[k] * wr[k];
-      y[i * ldy + j] = bias ? s + bias[j] : s;
+}  // namespace
+
+void gemm_scalar(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = 0; i < x.M; ++i) {
+      const float v = row_dot(x, i, w, n);
+      y[i * w.N + n] = bias ? v + bias[n] : v;
     }
-}
-
-#include "quant_driver.inc"
-
-}  // namespace scalar
-
-void gemm_scalar(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1,
-                 float* buf, int64_t nb) {
-  scalar::gemm_tiles(x, M, w, bias, y, n0, n1, buf, nb);
 }
 
 }  // namespace servelm_quant
