@@ -37,6 +37,7 @@ _GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4
 _HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
 _PAYLOAD = {"q8_0": 32, "q4_0": 16, "q4_1": 16}
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
+TILES_MIN_ROWS = 16  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512", "avx512_vnni" or "torch": one path (tests, benchmarks)
 
 
@@ -191,8 +192,14 @@ def batch_invariant() -> bool:
     return kernel_backend() != "torch"
 
 
-def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *, invariant: bool = False
+           ) -> torch.Tensor:
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
+
+    From TILES_MIN_ROWS rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path instead
+    (weights dequantised into cache-sized tiles, fp32 FMA: 2-3x faster than the int16 scheme for prefill and
+    large batches, measured in docs/measurements/quant-kernels.md); its results differ from the int16
+    scheme's in the last bits, so `invariant=True` (deterministic mode) keeps every M on the int16 scheme.
 
     Batch-invariant on the C++ kernel: each output element is one fixed sequence of operations on its own row
     of x (int16 codes per block, exact int32 block sums, fp32 scaling and accumulation in block order, one
@@ -218,8 +225,9 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None) -
         x2 = x2.contiguous()
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
-    y = torch.ops.servelm_quant.linear.default(x2, qw.qs, qw.d, qw.m, _FMT_CODE[qw.fmt], bias,
-                                               _ISA_NAMES.index(backend))
+    ops = torch.ops.servelm_quant
+    op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS else ops.linear_tiles
+    y = op.default(x2, qw.qs, qw.d, qw.m, _FMT_CODE[qw.fmt], bias, _ISA_NAMES.index(backend))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 

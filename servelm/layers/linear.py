@@ -117,7 +117,7 @@ def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) ->
     if batch_invariant._ENABLED and not quant.batch_invariant():
         kind = f"quant-torch{'+bias' if bias is not None else ''}"
         return batch_invariant.invariant_linear(x, lambda t: quant.linear(t, qw, bias), kind, qw.shape[0])
-    return quant.linear(x, qw, bias)
+    return quant.linear(x, qw, bias, invariant=batch_invariant._ENABLED)
 
 
 def invariant_linear_of(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,

@@ -77,27 +77,35 @@ def test_linear_matches_dequantised_matmul(path, fmt):
 def test_kernel_dequantises_exactly(path, fmt):
     """x = identity: each output is one weight times 1 plus zeros, so the kernel's own dequantised values show."""
     _, qw = _weight(77, 70, fmt, seed=3)
-    y = quant.linear(torch.eye(70), qw)
-    assert torch.equal(y, quant.dequantize(qw).T)
+    for invariant in (False, True):  # the fp32 tile path (70 rows) and the int16 scheme
+        y = quant.linear(torch.eye(70), qw, invariant=invariant)
+        assert torch.equal(y, quant.dequantize(qw).T)
+    for row in (0, 33, 69):  # one row: the int16 scheme either way
+        assert torch.equal(quant.linear(torch.eye(70)[row: row + 1], qw), quant.dequantize(qw).T[row: row + 1])
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_linear_is_batch_invariant(path, fmt):
-    """Row m is bitwise the same alone, in a batch of 37 with other rows, and with 1 or 2 threads."""
+    """With invariant=True (deterministic mode), row m is bitwise the same alone, in a batch of 37 with other
+    rows, and with 1 or 2 threads. Without it, 16+ rows take the fp32 tile path: close, not the same bits."""
     assert quant.batch_invariant()
     g = torch.Generator().manual_seed(2)
     _, qw = _weight(200, 576, fmt, seed=4)
     bias = torch.randn(200, generator=g)
     x = torch.randn(37, 576, generator=g)
-    full = quant.linear(x, qw, bias)
+    full = quant.linear(x, qw, bias, invariant=True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         for m in (0, 5, 36):
             assert torch.equal(quant.linear(x[m: m + 1], qw, bias), full[m: m + 1])
+            assert torch.equal(quant.linear(x[m: m + 1], qw, bias, invariant=True), full[m: m + 1])
         other = torch.cat([x[:3], torch.randn(30, 576, generator=g) * 100])
-        assert torch.equal(quant.linear(other, qw, bias)[:3], full[:3])
+        assert torch.equal(quant.linear(other, qw, bias, invariant=True)[:3], full[:3])
+        tiles = quant.linear(x, qw, bias)
+        assert not torch.equal(tiles, full)
+        torch.testing.assert_close(tiles, full, rtol=1e-3, atol=2e-3)
     finally:
         torch.set_num_threads(threads)
 

@@ -72,4 +72,14 @@ void gemm_avx2(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t
 void gemm_avx512(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 void gemm_avx512_vnni(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 
+// The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
+// at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x
+// fp32 [M, KB * 32], each output one sequential fp32 sum over k (plus the bias, last). Numerically fp32 on the
+// dequantised weights, so not bitwise the int16 scheme: the two are never mixed where rows must be invariant.
+using TileGemmFn = void (*)(const float* x, int64_t M, const QWeight& w, const float* bias, float* y, int64_t n0,
+                            int64_t n1, float* buf, int64_t nb);
+void tiles_gemm_scalar(const float*, int64_t, const QWeight&, const float*, float*, int64_t, int64_t, float*, int64_t);
+void tiles_gemm_avx2(const float*, int64_t, const QWeight&, const float*, float*, int64_t, int64_t, float*, int64_t);
+void tiles_gemm_avx512(const float*, int64_t, const QWeight&, const float*, float*, int64_t, int64_t, float*, int64_t);
+
 }  // namespace servelm_quant

@@ -77,31 +77,39 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                  int64_t fmt, const std::optional<at::Tensor>& bias, int64_t isa) {
+// The weight view after checking the op's arguments.
+QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                int64_t fmt, const std::optional<at::Tensor>& bias, const float** bp) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
   TORCH_CHECK(fmt >= Q8_0 && fmt <= Q4_1, "unknown format ", fmt);
   TORCH_CHECK(qs.dim() == 3, "qs: [N, KB, payload]");
-  const int64_t N = qs.size(0), KB = qs.size(1), M = x.size(0), kp = KB * kBlock;
-  TORCH_CHECK(x.size(1) == kp, "x has ", x.size(1), " columns, the weight ", kp);
+  const int64_t N = qs.size(0), KB = qs.size(1);
+  TORCH_CHECK(x.size(1) == KB * kBlock, "x has ", x.size(1), " columns, the weight ", KB * kBlock);
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(2) == (fmt == Q8_0 ? 32 : 16), "qs layout");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N && d.size(1) == KB,
               "d layout");
   const bool has_m = m.has_value() && m->defined();
   TORCH_CHECK(has_m == (fmt == Q4_1), "m is given exactly for q4_1");
   if (has_m) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
-  const float* bp = nullptr;
+  *bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
-    bp = bias->data_ptr<float>();
+    *bp = bias->data_ptr<float>();
   }
+  return QWeight{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
+                 has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, N, KB, static_cast<Fmt>(fmt)};
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
+                  int64_t fmt, const std::optional<at::Tensor>& bias, int64_t isa) {
+  const float* bp;
+  const QWeight w = checked(x, qs, d, m, fmt, bias, &bp);
+  const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const QWeight w{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                  has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, N, KB, static_cast<Fmt>(fmt)};
   const GemmFn fn = gemm_for(isa);
-  const bool wide = isa >= kAvx512;
+  const bool wide = isa >= kAvx512, has_m = w.m != nullptr;
   const int64_t KBp = wide ? (KB + 1) / 2 * 2 : KB;
   const Layout layout = wide && fmt != Q8_0 ? kPairs : kNatural;
   at::Tensor xq = at::empty({M, KBp * kBlock}, x.options().dtype(at::kShort));
@@ -127,6 +135,40 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   return y;
 }
 
+// Weight rows dequantised per tile of the fp32 tile kernels: L2-sized (the AVX-512 one has fixed 64-row tiles);
+// never fewer tiles than ~4 per thread so the pool stays balanced. Numerics do not depend on it.
+int64_t rows_per_tile(int64_t N, int64_t kp, int64_t isa) {
+  if (isa >= kAvx512) return 64;
+  int64_t nb = std::clamp<int64_t>((256 << 10) / (kp * 4), 12, 96) / 12 * 12;
+  const int64_t per_thread = (N + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
+  return std::min(nb, std::max<int64_t>(12, (per_thread + 11) / 12 * 12));
+}
+
+at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                        const std::optional<at::Tensor>& m, int64_t fmt, const std::optional<at::Tensor>& bias,
+                        int64_t isa) {
+  const float* bp;
+  const QWeight w = checked(x, qs, d, m, fmt, bias, &bp);
+  TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "servelm_quant: ISA level ", isa, " is not available here");
+  const int64_t N = w.N, M = x.size(0), kp = w.KB * kBlock;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  TileGemmFn fn = tiles_gemm_scalar;
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa >= kAvx512) fn = tiles_gemm_avx512;
+  else if (isa == kAvx2) fn = tiles_gemm_avx2;
+#endif
+  const int64_t nb = rows_per_tile(N, kp, isa);
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < nb * kp) buf.resize(nb * kp);
+    fn(xp, M, w, bp, yp, t0 * nb, std::min(N, t1 * nb), buf.data(), nb);
+  });
+  return y;
+}
+
 }  // namespace
 }  // namespace servelm_quant
 
@@ -134,4 +176,6 @@ TORCH_LIBRARY(servelm_quant, lib) {
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
   lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, int fmt, Tensor? bias, int isa) -> Tensor",
           &servelm_quant::linear);
+  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, int fmt, Tensor? bias, int isa) -> Tensor",
+          &servelm_quant::linear_tiles);
 }
