@@ -40,11 +40,20 @@ def _run(model: tuple[Path, Path], **kw) -> list[dict]:
         engine.shutdown()
 
 
+# The kernel rounds each block of 32 activations to int16 codes (a step of 2^-15 of the block's largest |x|):
+# where TP's all-reduce adds partial sums in another fp32 order, a 1e-7 change of an activation can move a code
+# by one step, which this tiny model's std-0.5 random weights amplify to up to 2.6e-3 in the logprobs (measured
+# on the AVX-512 VNNI and AVX2 paths; 1e-4 with fp32 activations). The tokens must still be the same; a wrong
+# shard gives O(1) differences.
+QUANT_TP_LOGPROB_TOL = 1e-2
+
+
 def test_tp2_q4_1_equals_tp1(q4_1_gguf) -> None:
-    base = _run(q4_1_gguf)
-    _assert_same(_run(q4_1_gguf, tp_size=2), base)
+    _assert_same(_run(q4_1_gguf, tp_size=2), _run(q4_1_gguf), QUANT_TP_LOGPROB_TOL)
+    # Deterministic mode keeps prefill on the int16 scheme too (the default mode's prefill takes the fp32 tile
+    # kernel), so it is compared with a deterministic TP=1 run.
     _assert_same(_run(q4_1_gguf, tp_size=2, enable_tp_lm_head_all_to_all=True, enable_deterministic_inference=True),
-                 base)
+                 _run(q4_1_gguf, enable_deterministic_inference=True), QUANT_TP_LOGPROB_TOL)
 
 
 def test_deterministic_q4_1_is_batch_invariant(q4_1_gguf) -> None:
