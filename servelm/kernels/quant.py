@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
+from gguf.quants import Q4_K
+from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from servelm.kernels import build
@@ -94,6 +96,45 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     if fmt == "q8_0":
         qs = qs.view(torch.int8)
     return QuantWeight(fmt, (n, k), qs, d, m)
+
+
+# k-quant GGUF types kept as blocks the kernel reads: Q4_K repacked as q4_1 (each 32-weight sub-block's
+# d * scale and dmin * min, rounded to fp16: a relative change of at most 2^-11 of those two products, the
+# codes unchanged), Q6_K requantised to q8_0 (llama.cpp's Q8_0 rounding of the dequantised values: at most
+# half a step of 1/127 of each 32-weight block's largest |w|).
+K_FORMATS = {"q4_k": "q4_1", "q6_k": "q8_0"}
+_K_ROWS = 1024  # Q6_K rows dequantised at once (bounded fp32 scratch for a big LM head)
+
+
+def from_gguf_k(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
+    """A weight from GGUF k-quant blocks (`fmt` "q4_k" or "q6_k"; see K_FORMATS): uint8 [N, bytes_per_row]."""
+    if fmt not in K_FORMATS:
+        raise ValueError(f"unknown k-quant format {fmt!r}; expected one of {', '.join(K_FORMATS)}")
+    n, k = int(shape[0]), int(shape[1])
+    arr = np.asarray(raw).view(np.uint8).reshape(n, -1)
+    if fmt == "q6_k":
+        parts = [quantize(torch.from_numpy(gguf_dequantize(arr[r: r + _K_ROWS], GGMLQuantizationType.Q6_K)
+                                           .reshape(-1, k)), "q8_0") for r in range(0, n, _K_ROWS)]
+        return parts[0] if len(parts) == 1 else cat_rows(parts)
+    if k % 256 or arr.shape[1] != k // 256 * 144:
+        raise ValueError(f"q4_k weight of shape {shape}: expected {k // 256 * 144} bytes per row of 256-weight "
+                         f"super-blocks, got {arr.shape[1]}")
+    nsb = k // 256
+    blocks = arr.reshape(n * nsb, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n * nsb, 1]
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n * nsb, 8] each, 6-bit
+    scale = d * sc.astype(np.float32)
+    minimum = -(dmin * mins.astype(np.float32))
+    if max(np.abs(scale).max(initial=0), np.abs(minimum).max(initial=0)) > np.finfo(np.float16).max:
+        raise ValueError("q4_k weight: a sub-block scale overflows fp16")
+    # Sub-block 2c holds the low nibbles of the super-block's bytes 32c..32c+31, sub-block 2c + 1 the high ones.
+    qs = blocks[:, 16:].reshape(n * nsb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    vals = (qs & 0x0F).reshape(n, nsb * 8, 32)  # [n, KB, 32] codes in order
+    packed = vals[..., :16] | (vals[..., 16:] << 4)  # ggml's q4 layout: element j low, j + 16 high
+    return QuantWeight("q4_1", (n, k), torch.from_numpy(np.ascontiguousarray(packed)),
+                       torch.from_numpy(scale.astype(np.float16).reshape(n, nsb * 8)),
+                       torch.from_numpy(minimum.astype(np.float16).reshape(n, nsb * 8)))
 
 
 def to_gguf(qw: QuantWeight) -> np.ndarray:

@@ -207,7 +207,8 @@ class GGUFModelSource(ModelSource):
         """Yield `(hf_name, tensor)`: dequantised to float32, q/k un-permuted, then cast to `dtype`.
 
         A 2-D tensor whose ggml type is in `keep_formats` (kernel format names: "q8_0", "q4_0", "q4_1")
-        comes as a `QuantWeight` of the file's blocks instead, never through fp32 (q/k rows un-permuted).
+        comes as a `QuantWeight` of the file's blocks instead, never through fp32 (q/k rows un-permuted);
+        "q4_k" and "q6_k" come repacked as q4_1 and q8_0 blocks (`quant.K_FORMATS`).
         """
         assert self.reader is not None
         tensors = {t.name: t for t in self.reader.tensors}
@@ -218,7 +219,7 @@ class GGUFModelSource(ModelSource):
             fmt = t.tensor_type.name.lower()
             heads = self._permuted_heads(gguf_name)
             if fmt in keep_formats and len(shape) == 2:
-                qw = quant.from_gguf(t.data, fmt, shape)
+                qw = (quant.from_gguf_k if fmt in quant.K_FORMATS else quant.from_gguf)(t.data, fmt, shape)
                 if heads:
                     qw = quant.permute_rows(qw, torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
                 yield hf_name, qw

@@ -1,8 +1,9 @@
 """`--quantization`: which weights stay (or become) ggml blocks (`servelm.kernels.quant`), which are fp32.
 
 * auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1) as it is in the file,
-  without an fp32 round trip; other types (F16, Q4_K, Q6_K, ...) are dequantised to fp32 as with `none`.
-  A HF folder stays fp32.
+  without an fp32 round trip; Q4_K is repacked as q4_1 blocks (fp16 sub-block scales) and Q6_K requantised
+  to q8_0 (see `quant.K_FORMATS`); other types (F16, Q5_*, Q2_K, Q3_K, Q5_K, ...) are dequantised to fp32 as
+  with `none`. A HF folder stays fp32.
 * none: everything dequantised to fp32 (the behaviour before quantised kernels).
 * int8, q8_0, q4_0, q4_1: every 2-D weight (the linears, the embedding, the LM head) becomes blocks of that
   format at load; a GGUF tensor already in it is kept as it is, any other is dequantised, then quantised.
@@ -65,7 +66,7 @@ def resolve_quantization(mode: str, source_format: str, dtype: torch.dtype, devi
             logger.info("--quantization auto: GGUF weights dequantised (quantised kernels need --dtype float32 "
                         "on the CPU)")
             return QuantPolicy("auto", frozenset())
-        return QuantPolicy("auto", frozenset(quant.FORMATS))
+        return QuantPolicy("auto", frozenset(quant.FORMATS) | frozenset(quant.K_FORMATS))
     if not supported:
         raise ConfigError(f"--quantization {mode} needs float32 compute on the CPU (got dtype "
                           f"{str(dtype).removeprefix('torch.')} on {device.type}); use --quantization none")

@@ -232,3 +232,56 @@ def test_torch_fallback_dequantises_a_slice_of_rows_at_a_time(monkeypatch):
                                    atol=1e-5)
     finally:
         quant.force_backend(None)
+
+
+def _random_q4_k(n: int, k: int, d: np.ndarray, dmin: np.ndarray, seed: int) -> np.ndarray:
+    """Random Q4_K super-blocks (any 6-bit scales/mins and nibbles are valid) with the given fp16 d/dmin."""
+    blocks = np.random.default_rng(seed).integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
+    blocks[:, 0:2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    blocks[:, 2:4] = dmin.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def test_q4_k_repacks_as_q4_1_exactly_when_the_scales_fit_fp16():
+    """d = 2^-10, dmin = 2^-8: d * scale and dmin * min are exact in fp16, so the q4_1 blocks dequantise to
+    gguf's own Q4_K values bit for bit (which checks the nibble and scale layouts)."""
+    n, k = 7, 768
+    raw = _random_q4_k(n, k, np.full(n * 3, 2.0 ** -10), np.full(n * 3, 2.0 ** -8), seed=8)
+    qw = quant.from_gguf_k(raw, "q4_k", (n, k))
+    assert qw.fmt == "q4_1" and qw.shape == (n, k) and qw.nbytes == n * k // 32 * 20
+    expected = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n, k)
+    assert np.array_equal(quant.dequantize(qw).numpy(), expected)
+
+
+def test_q4_k_repack_rounds_only_the_sub_block_scales():
+    from gguf.quants import Q4_K
+
+    n, k = 4, 512
+    rng = np.random.default_rng(9)
+    raw = _random_q4_k(n, k, rng.uniform(1e-4, 1e-2, n * 2), rng.uniform(1e-4, 1e-2, n * 2), seed=10)
+    got = quant.dequantize(quant.from_gguf_k(raw, "q4_k", (n, k))).numpy().reshape(-1, 8, 32)
+    expected = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(-1, 8, 32)
+    blocks = raw.reshape(-1, 144)
+    sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    bound = (2.0 ** -11 * (15 * d * sc + dmin * mins) * 1.001)[..., None]  # fp16 rounding of both products
+    assert bool((np.abs(got - expected) <= bound).all())
+    assert not np.array_equal(got, expected)  # these scales do not all fit fp16
+
+
+def test_q6_k_requantises_to_q8_0():
+    from tests.models.gguf_files import quantize_k
+
+    w = torch.randn(5, 512, generator=torch.Generator().manual_seed(11)).numpy()
+    raw = quantize_k(w, "Q6_K")
+    qw = quant.from_gguf_k(raw, "q6_k", (5, 512))
+    assert qw.fmt == "q8_0" and qw.shape == (5, 512)
+    src = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(5, -1, 32)
+    got = quant.dequantize(qw).numpy().reshape(5, -1, 32)
+    step = np.abs(src).max(-1, keepdims=True) / 127
+    # ggml's Q8_0: codes rounded against the fp32 step (half a step), decoded with its fp16 rounding (up to 127
+    # codes x 2^-11 of a step more)
+    assert bool((np.abs(got - src) <= step * (0.5 + 127 * 2.0 ** -11) * 1.001 + 1e-7).all())
+    with pytest.raises(ValueError, match="k-quant"):
+        quant.from_gguf_k(raw, "q5_k", (5, 512))

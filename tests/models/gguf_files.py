@@ -29,6 +29,47 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
+    """Q4_K or Q6_K blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row].
+
+    gguf-py dequantises k-quants but cannot write them, so tests write their own: plain min/max (Q4_K) and
+    absmax (Q6_K) scales, not llama.cpp's search, in ggml's exact block layout.
+    """
+    n, k = arr.shape
+    x = arr.astype(np.float32).reshape(n * k // 256, 256)
+    if qtype == "Q4_K":
+        sub = x.reshape(-1, 8, 32)
+        lo = np.minimum(sub.min(-1), 0.0)
+        span = (sub.max(-1) - lo) / 15
+        d = (span.max(-1, keepdims=True) / 63).astype(np.float16)
+        dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.clip(np.nan_to_num(np.round(span / d.astype(np.float32))), 0, 63).astype(np.uint8)
+            mn = np.clip(np.nan_to_num(np.round(-lo / dmin.astype(np.float32))), 0, 63).astype(np.uint8)
+            step = (d.astype(np.float32) * sc)[..., None]
+            q = np.nan_to_num(np.round((sub + (dmin.astype(np.float32) * mn)[..., None]) / step))
+        q = np.clip(q, 0, 15).astype(np.uint8)  # [blocks, 8, 32]
+        scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
+                                 (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+        qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-block 2c low nibbles, 2c + 1 high ones
+        blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=1)
+    elif qtype == "Q6_K":
+        sub = x.reshape(-1, 16, 16)
+        amax = np.abs(sub).max(-1)
+        d = (amax.max(-1, keepdims=True) / 31 / 127).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.clip(np.nan_to_num(np.round(amax / 31 / d.astype(np.float32))), -128, 127).astype(np.int8)
+            q = np.nan_to_num(np.round(sub / (d.astype(np.float32) * sc)[..., None]))
+        q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # [blocks, half, 128]
+        ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)  # [blocks, 2, 64]
+        hi = (q >> 4).reshape(-1, 2, 4, 32)
+        qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)  # [blocks, 2, 32]
+        blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    else:
+        raise ValueError(qtype)
+    return np.ascontiguousarray(blocks).reshape(n, -1)
+
+
 def write_gguf(
     path: Path,
     gguf_arch: str,
@@ -78,6 +119,9 @@ def write_gguf(
             arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if override_dtype and gguf_name in override_dtype:
             w.add_tensor(gguf_name, arr.astype(override_dtype[gguf_name]))
+        elif quantize == "Q4_K_M" and arr.ndim == 2:  # as llama.cpp's mix: Q6_K for the embedding/output
+            qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight") else "Q4_K"
+            w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
         elif quantize and arr.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quantize]
             w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

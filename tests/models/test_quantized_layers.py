@@ -129,7 +129,7 @@ def test_gguf_blocks_kept_equal_the_dequantised_weights(tmp_path: Path, fmt: str
 
 def test_quantization_policy() -> None:
     cpu, f32 = torch.device("cpu"), torch.float32
-    assert resolve_quantization("auto", "gguf", f32, cpu).keep_formats == frozenset(quant.FORMATS)
+    assert resolve_quantization("auto", "gguf", f32, cpu).keep_formats == frozenset(quant.FORMATS) | {"q4_k", "q6_k"}
     assert not resolve_quantization("auto", "hf", f32, cpu).quantized
     assert not resolve_quantization("auto", "gguf", torch.bfloat16, cpu).quantized
     assert not resolve_quantization("none", "gguf", f32, cpu).quantized
@@ -193,3 +193,27 @@ def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, a
     assert set(kept.weight_formats()) == {fmt.lower()} and set(fp32.weight_formats()) == {"float32"}
     ids = [5, 17, 30, 42, 7, 60, 11]
     torch.testing.assert_close(_logits(kept, ids), _logits(fp32, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_k_quant_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_dir: Path) -> None:
+    """A Q4_K_M-style file (Q4_K matrices, Q6_K tied embedding): `auto` repacks Q4_K as q4_1 and requantises
+    Q6_K to q8_0, holds them in about the file's bytes, and computes what `none` computes from gguf's own
+    dequantisation of the same file, up to those roundings."""
+    folder, model = build_tiny_model(tmp_path / "hf", default_tokenizer_dir, "llama", std=0.1, hidden_size=256,
+                                     intermediate_size=512, head_dim=64)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", model, quantize="Q4_K_M")
+    common = {"model_path": str(path), "tokenizer_path": str(folder), "max_total_tokens": 64}
+    fp32 = ModelRunner(ServerArgs(**common, quantization="none"))
+    kept = ModelRunner(ServerArgs(**common))
+    assert kept.weight_formats() == {"q4_1": 8, "q8_0": 1} and fp32.weight_formats() == {"float32": 9}
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert kept.model_info()["weight_bytes"] < 1.3 * file_bytes
+    ids = [5, 17, 300, 42, 7, 900, 11]
+    a, b = _logits(fp32, ids), _logits(kept, ids)
+    # Measured 2.0%: mostly Q6_K -> Q8_0 (a rounding of up to half a step of 1/127 of each block's largest
+    # weight, on the embedding and the LM head); a nibble or scale out of place gives O(1).
+    assert (a - b).norm() < 0.04 * a.norm(), float((a - b).norm() / a.norm())
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
