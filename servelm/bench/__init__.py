@@ -11,6 +11,7 @@ BENCHES = {
     "allreduce": "servelm.bench.allreduce",
     "deterministic": "servelm.bench.deterministic",
     "images": "servelm.bench.images",
+    "quant": "servelm.bench.quant_probe",
 }
 
 

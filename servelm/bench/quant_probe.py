@@ -5,7 +5,7 @@ weight (servelm's fp32 path), torch's weight-only int8 (`_weight_int8pack_mm`) a
 (`_weight_int4pack_mm_for_cpu`, groups of 32) where this torch has them, and servelm's own kernel
 (`servelm.kernels.quant.linear`) per ggml format. Medians in microseconds; prints a markdown table.
 
-    python -m servelm.bench.quant_probe [--m 1,4,16,64,256] [--formats q8_0,q4_0,q4_1] [--isa avx2]
+    servelm bench quant [--m 1,4,16,64,256] [--formats q8_0,q4_0,q4_1] [--isa avx2]
         [--threads 1 --clock thread] [--model-pass]
 
 Cells: median us per call (speed-up over fp32 oneDNN); "-": not timed (see --torch-max-m).
@@ -77,6 +77,8 @@ def candidates(w: torch.Tensor, formats: list[str]) -> dict[str, Callable[[torch
     for fmt in formats:
         qw = quant.quantize(w, fmt)
         out[f"ours {fmt}"] = lambda x, qw=qw: quant.linear(x, qw)
+        # deterministic mode's path: the int16 scheme at every M (the default switches to fp32 tiles at 10 rows)
+        out[f"ours {fmt} int16"] = lambda x, qw=qw: quant.linear(x, qw, invariant=True)
     return out
 
 
@@ -142,11 +144,11 @@ def cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m servelm.bench.quant_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="servelm bench quant", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,64,256", help="Rows of x (batch tokens), comma-separated.")
     parser.add_argument("--formats", default=",".join(quant.FORMATS))
-    parser.add_argument("--isa", default=None, help="Force the kernel path (scalar, avx2, avx512, torch).")
+    parser.add_argument("--isa", default=None, help="Force the kernel path (scalar, avx2, avx512, avx512_vnni, torch).")
     parser.add_argument("--shapes", default=None, help="Only these shape names (comma-separated).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own).")
     parser.add_argument("--clock", choices=["wall", "thread"], default="wall",

@@ -39,7 +39,7 @@ _GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4
 _HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
 _PAYLOAD = {"q8_0": 32, "q4_0": 16, "q4_1": 16}
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
-TILES_MIN_ROWS = 16  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
+TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512", "avx512_vnni" or "torch": one path (tests, benchmarks)
 
 
