@@ -1,5 +1,5 @@
-"""JIT build of the C++ kernels in `csrc/`: compiled once per (sources, flags, torch, Python, machine) into a
-per-user cache dir, loaded as torch ops (`torch.ops.servelm_quant`).
+"""JIT build of the C++ kernels in `csrc/`: compiled once per (sources, flags, torch, Python, machine, compiler
+version) into a per-user cache dir, loaded as torch ops (`torch.ops.servelm_quant`).
 
 Processes that build at the same time (TP ranks) serialise on an flock in the cache dir (released by the
 kernel if a builder dies, unlike torch's own `lock` file, which is cleared when found stale under the flock).
@@ -14,6 +14,7 @@ import logging
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from functools import cache
@@ -39,12 +40,22 @@ def cache_root() -> Path:
     return Path(base) / "servelm" / "kernels"
 
 
+def _compiler_version() -> str:
+    """First line of `$CXX --version` (a compiler upgrade rebuilds); empty when it cannot run."""
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def build_key() -> str:
     """Hash of everything the built library depends on."""
     h = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         h.update(path.name.encode() + b"\0" + path.read_bytes())
-    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine())).encode())
+    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2], platform.machine(),
+                   _compiler_version())).encode())
     return h.hexdigest()[:16]
 
 
