@@ -16,6 +16,10 @@ namespace avx2 {
 constexpr int kNr = 2;
 constexpr int kR = 3;
 
+// Weights are streamed from memory once per decode step: prefetch the rows kAhead on (see quant_avx512.inc).
+constexpr int64_t kAhead = 4 * kNr;
+static inline void prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+
 static inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -60,6 +64,7 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
   for (int64_t b = 0; b < kb; ++b) {
     __m256i wa[NR], wb[NR];  // k 0..15 and 16..31 of block b as words
     for (int j = 0; j < NR; ++j) {
+      if (n + j + kAhead < w.N) prefetch(w.qs + ((n + j + kAhead) * kb + b) * (F == Q8_0 ? 32 : 16));
       if constexpr (F == Q8_0) {
         const uint8_t* p = w.qs + ((n + j) * kb + b) * 32;
         wa[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -114,6 +119,11 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   float* mn = dn + kNr * ld;
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
+    if (n + kAhead < w.N)
+      for (int64_t c = 0; c < kNr * w.KB * 2; c += 64) {
+        prefetch(reinterpret_cast<const char*>(w.d + (n + kAhead) * w.KB) + c);
+        if (F == Q4_1) prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
+      }
     for (int j = 0; j < nr; ++j) {
       row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
       if (F == Q4_1) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
