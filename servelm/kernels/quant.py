@@ -242,11 +242,12 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
     large batches, measured in docs/measurements/quant-kernels.md); its results differ from the int16
     scheme's in the last bits, so `invariant=True` (deterministic mode) keeps every M on the int16 scheme.
 
-    Batch-invariant on the C++ kernel: each output element is one fixed sequence of operations on its own row
-    of x (int16 codes per block, exact int32 block sums, fp32 scaling and accumulation in block order, one
-    fixed lane-sum tree, bias last) whatever M is, whatever the other rows of x are and however the threads
-    split the work, so row m is bitwise identical for any batch (deterministic mode relies on it). The torch
-    fallback (`kernel_backend() == "torch"`) does not promise that; see `batch_invariant()`.
+    With `invariant=True` (or fewer than TILES_MIN_ROWS rows) the C++ kernel is batch-invariant: each output
+    element is one fixed sequence of operations on its own row of x (int16 codes per block, exact int32 block
+    sums, fp32 scaling and accumulation in block order, one fixed lane-sum tree, bias last) whatever M is,
+    whatever the other rows of x are and however the threads split the work, so row m is bitwise identical for
+    any batch (deterministic mode relies on it). The torch fallback (`kernel_backend() == "torch"`) does not
+    promise that; see `batch_invariant()`.
     """
     n, k = qw.shape
     if x.shape[-1] != k:
