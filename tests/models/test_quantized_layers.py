@@ -206,12 +206,21 @@ def _no_lookup_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(model_runner, "resolve_quantization", lambda *args: quantization.NONE)
 
 
+def _hidden(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """The final hidden states of a one-request prefill (what the LM head reads)."""
+    n = len(ids)
+    fb = ForwardBatch.build(ids, list(range(n)), list(range(n)), [n], [list(range(n))], list(range(n)), runner.device)
+    fb.kv_cache = runner.kv_cache
+    with torch.inference_mode():
+        return runner.model.model(fb)
+
+
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
 def test_none_tied_embedding_lookup_reads_the_blocks(tmp_path: Path, tiny_llama, monkeypatch: pytest.MonkeyPatch,
                                                       fmt: str) -> None:
     """`none` on a GGUF whose tied embedding is in a kernel format: the lookup reads the file's blocks, the LM
-    head the packed fp32 matrix (one fp32 copy, not two); lookup rows and logits are bitwise those of the fp32
-    path, and the reported bytes are the blocks plus the packed copy."""
+    head the packed fp32 matrix (no plain fp32 copy); lookup rows, hidden states and logits are bitwise those of
+    the dequantised fp32 weights, and the reported bytes are the blocks plus the packed copy."""
     write_gguf(tmp_path / "m.gguf", "llama", tiny_llama[1], quantize=fmt)
     common = {"model_path": str(tmp_path / "m.gguf"), "tokenizer_path": str(tiny_llama[0]), "max_total_tokens": 64,
               "quantization": "none"}
@@ -223,15 +232,18 @@ def test_none_tied_embedding_lookup_reads_the_blocks(tmp_path: Path, tiny_llama,
 
     with monkeypatch.context() as m:
         _no_lookup_blocks(m)
-        fp32 = ModelRunner(ServerArgs(**common))
+        fp32 = ModelRunner(ServerArgs(**common))  # one plain fp32 copy for the lookup and the LM head
     fp32_emb = fp32.model.model.embed_tokens
-    assert fp32_emb.lookup_qweight is None and fp32_emb.weight is not None  # the plain copy next to the packed one
+    assert fp32_emb.lookup_qweight is None and fp32.model.logits_processor.packed is None
     ids = torch.arange(emb.vocab_size)
     assert torch.equal(emb(ids), fp32_emb(ids))  # every row, bitwise
     assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, fp32_emb.weight))
+    packed = linear.prepack_weight(fp32_emb.weight.data)
     for prompt in ([5, 17, 300, 42, 7, 900, 11], [3]):
-        assert torch.equal(_logits(blocks, prompt), _logits(fp32, prompt))
-    assert fp32.weight_bytes - blocks.weight_bytes == fp32_emb.weight.nbytes - emb.lookup_qweight.nbytes > 0
+        hidden = _hidden(fp32, prompt)
+        assert torch.equal(_hidden(blocks, prompt), hidden)
+        assert torch.equal(_logits(blocks, prompt), linear.packed_linear(hidden, packed, None))
+    assert blocks.weight_bytes - fp32.weight_bytes == emb.lookup_qweight.nbytes > 0
 
 
 def test_none_tied_embedding_without_a_packed_head_stays_plain_fp32(tmp_path: Path, tiny_llama) -> None:
