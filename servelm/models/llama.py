@@ -161,8 +161,8 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_matrices(self) -> list[tuple[str, int]]:
         """(format, resident bytes) of each weight matrix this rank holds: "q4_1"..., or the fp32 dtype name
-        ("float32", packed by oneDNN or plain; a tied fp32 embedding counts its packed LM-head copy too, and the
-        blocks its lookup reads when it keeps them, see `VocabParallelEmbedding.keep_blocks_for_lookup`)."""
+        ("float32", packed by oneDNN or plain; a tied fp32 embedding whose lookup reads blocks counts them and
+        the packed LM-head copy, see `VocabParallelEmbedding.keep_blocks_for_lookup`)."""
         out = []
         for m in self.modules():
             if m is self.logits_processor:
