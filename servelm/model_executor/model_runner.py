@@ -193,11 +193,16 @@ class ModelRunner:
 
     def _load_weights(self, source: Any) -> None:
         policy = self.quant_policy
-        weights = tqdm(policy.apply(source.iter_weights(self.dtype, keep_formats=policy.keep_formats)),
+        # A tied embedding's blocks, kept for the lookup, save memory only when the LM head's fp32 copy is the
+        # packed one (a plain one would serve the lookup as well).
+        lookup = policy.lookup_formats if (self.model.tie_word_embeddings and not self.server_args.disable_fast_path
+                                           and torch.backends.mkldnn.is_available()) else frozenset()
+        weights = tqdm(policy.apply(source.iter_weights(self.dtype, keep_formats=policy.keep_formats,
+                                                        embedding_formats=lookup)),
                        total=source.num_weights, desc="Loading weights", unit="tensor", leave=False,
                        disable=self.tp_rank != 0)
         loaded = self.model.load_weights(weights)
-        self.model.finish_loading()
+        self.model.finish_loading(fp32_lm_head=bool(lookup))
         expected = {n for n, _ in self.model.named_parameters()}
         missing = sorted(expected - loaded)
         if missing:

@@ -43,6 +43,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
 # interleaved), so we must undo it to get back HF's rotate-half layout.
 _PERMUTED_QK_ARCHS = frozenset({"llama"})
 
+EMBEDDING_NAME = "model.embed_tokens.weight"
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -202,13 +203,15 @@ class GGUFModelSource(ModelSource):
     # (gguf tensor name, hf name) in file order; tensors we skip are not in it.
     name_map: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
-    def iter_weights(self, dtype: torch.dtype,
-                     keep_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    def iter_weights(self, dtype: torch.dtype, keep_formats: frozenset[str] = frozenset(),
+                     embedding_formats: frozenset[str] = frozenset()
+                     ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """Yield `(hf_name, tensor)`: dequantised to float32, q/k un-permuted, then cast to `dtype`.
 
         A 2-D tensor whose ggml type is in `keep_formats` (kernel format names: "q8_0", "q4_0", "q4_1")
         comes as a `QuantWeight` of the file's blocks instead, never through fp32 (q/k rows un-permuted);
-        "q4_k" and "q6_k" come repacked as q4_1 and q8_0 blocks (`quant.K_FORMATS`).
+        "q4_k" and "q6_k" come repacked as q4_1 and q8_0 blocks (`quant.K_FORMATS`);
+        so does the embedding (`model.embed_tokens.weight`) alone when its type is in `embedding_formats`.
         """
         assert self.reader is not None
         tensors = {t.name: t for t in self.reader.tensors}
@@ -218,7 +221,8 @@ class GGUFModelSource(ModelSource):
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             fmt = t.tensor_type.name.lower()
             heads = self._permuted_heads(gguf_name)
-            if fmt in keep_formats and len(shape) == 2:
+            if len(shape) == 2 and (fmt in keep_formats or (fmt in embedding_formats
+                                                            and hf_name == EMBEDDING_NAME)):
                 qw = (quant.from_gguf_k if fmt in quant.K_FORMATS else quant.from_gguf)(t.data, fmt, shape)
                 if heads:
                     qw = quant.permute_rows(qw, torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))

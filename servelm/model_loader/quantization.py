@@ -4,7 +4,11 @@
   without an fp32 round trip; Q4_K is repacked as q4_1 blocks (fp16 sub-block scales) and Q6_K requantised
   to q8_0 (see `quant.K_FORMATS`); other types (F16, Q5_*, Q2_K, Q3_K, Q5_K, ...) are dequantised to fp32 as
   with `none`. A HF folder stays fp32.
-* none: everything dequantised to fp32 (the behaviour before quantised kernels).
+* none: everything computes in fp32 from the dequantised weights (the behaviour before quantised kernels).
+  One exception in storage, not in values: a GGUF's tied embedding in a kernel format (`lookup_formats`)
+  keeps its blocks for the lookup, whose rows dequantise to bitwise the fp32 values `none` held before, while
+  the LM head gets the fp32 matrix pre-packed for oneDNN; the embedding is then held as blocks (0.14-0.27x
+  fp32) plus one packed fp32 copy, not as a plain and a packed fp32 copy (issue 13).
 * int8, q8_0, q4_0, q4_1: every 2-D weight (the linears, the embedding, the LM head) becomes blocks of that
   format at load; a GGUF tensor already in it is kept as it is, any other is dequantised, then quantised.
   int8 is q8_0: weight-only int8 in groups of 32 with an fp16 scale each.
@@ -38,6 +42,8 @@ class QuantPolicy:
     keep_formats: frozenset[str]
     # Format every other 2-D weight is quantised to at load; None: it stays fp32.
     target: str | None = None
+    # GGUF types a tied embedding keeps as blocks for its lookup alone, its LM head computing in fp32 (`none`).
+    lookup_formats: frozenset[str] = frozenset()
 
     def apply(self, weights: Iterator[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         """Quantise the 2-D fp32/bf16 tensors of `weights` to `target` (the rest passes through)."""
@@ -52,13 +58,15 @@ class QuantPolicy:
 
 
 NONE = QuantPolicy("none", frozenset())
+# `none` where the lookup can read blocks: fp32 compute on the CPU (the blocks dequantise to fp32).
+NONE_LOOKUP_BLOCKS = QuantPolicy("none", frozenset(), lookup_formats=frozenset(quant.FORMATS))
 
 
 def resolve_quantization(mode: str, source_format: str, dtype: torch.dtype, device: torch.device) -> QuantPolicy:
     """The policy of `--quantization mode` for a model of `source_format` ("gguf" or "hf")."""
     supported = device.type == "cpu" and dtype == torch.float32
     if mode == "none":
-        return NONE
+        return NONE_LOOKUP_BLOCKS if supported and source_format == "gguf" else NONE
     if mode == "auto":
         if source_format != "gguf":
             return QuantPolicy("auto", frozenset())

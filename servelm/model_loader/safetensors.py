@@ -50,10 +50,10 @@ class SafetensorsModelSource(ModelSource):
     # safetensors file -> tensor names in it
     files: dict[str, list[str]] = field(default_factory=dict, repr=False)
 
-    def iter_weights(self, dtype: torch.dtype,
-                     keep_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, dtype: torch.dtype, keep_formats: frozenset[str] = frozenset(),
+                     embedding_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield `(hf_name, tensor)` for every tensor of every shard, cast to `dtype` (no quantised blocks here:
-        `keep_formats` has nothing to keep)."""
+        `keep_formats` and `embedding_formats` have nothing to keep)."""
         for path, names in self.files.items():
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in names:

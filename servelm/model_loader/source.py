@@ -60,11 +60,13 @@ class ModelSource(ABC):
     num_weights: int
 
     @abstractmethod
-    def iter_weights(self, dtype: torch.dtype, keep_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    def iter_weights(self, dtype: torch.dtype, keep_formats: frozenset[str] = frozenset(),
+                     embedding_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
         """Yield `(hf_name, tensor)` pairs: contiguous CPU tensors of `dtype`, in file order.
 
         A source that stores quantised blocks yields a 2-D weight whose format is in `keep_formats`
-        as a `servelm.kernels.quant.QuantWeight` instead (GGUF; a HF folder has none).
+        as a `servelm.kernels.quant.QuantWeight` instead (GGUF; a HF folder has none), and the embedding
+        `model.embed_tokens.weight` too when its format is in `embedding_formats`.
         """
 
     @property

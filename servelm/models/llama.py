@@ -148,15 +148,21 @@ class LlamaForCausalLM(nn.Module):
                     and m.prepack())
         return count + int(self.logits_processor.prepack(self.lm_head))
 
-    def finish_loading(self) -> None:
-        """After the last weight: layers whose shards all came quantised keep them as their one weight."""
+    def finish_loading(self, fp32_lm_head: bool = False) -> None:
+        """After the last weight: layers whose shards all came quantised keep them as their one weight.
+
+        fp32_lm_head: the LM head computes in fp32 (`--quantization none`); a tied embedding that came as blocks
+        (the policy's `lookup_formats`) keeps them for its lookup alone, see `keep_blocks_for_lookup`."""
         for m in self.modules():
             if isinstance(m, PrepackMixin):
                 m.finish_loading()
+        if fp32_lm_head and self.tie_word_embeddings:
+            self.model.embed_tokens.keep_blocks_for_lookup()
 
     def weight_matrices(self) -> list[tuple[str, int]]:
         """(format, resident bytes) of each weight matrix this rank holds: "q4_1"..., or the fp32 dtype name
-        ("float32", packed by oneDNN or plain; a tied fp32 embedding counts its packed LM-head copy too)."""
+        ("float32", packed by oneDNN or plain; a tied fp32 embedding whose lookup reads blocks counts them and
+        the packed LM-head copy, see `VocabParallelEmbedding.keep_blocks_for_lookup`)."""
         out = []
         for m in self.modules():
             if m is self.logits_processor:
@@ -169,8 +175,9 @@ class LlamaForCausalLM(nn.Module):
                 if m is self.lm_head:
                     packed = self.logits_processor.packed
                 tensors = [t for t in (weight, packed) if t is not None]
+                lookup = getattr(m, "lookup_qweight", None)
                 out.append((str(tensors[0].dtype).removeprefix("torch."),
-                            sum(t.numel() * t.element_size() for t in tensors)))
+                            sum(t.numel() * t.element_size() for t in tensors) + (lookup.nbytes if lookup else 0)))
         return out
 
     def weight_bytes(self) -> int:

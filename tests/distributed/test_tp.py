@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from servelm.entrypoints.engine import Engine
+from servelm.layers import batch_invariant
 from tests.conftest import build_tiny_model
 from tests.server_fixtures import REPO_ROOT, free_port, start_server
 
@@ -62,6 +63,16 @@ def test_tp_equals_tp1_offline(arch: str, tiny_models) -> None:
     base = _run(tiny_models[arch])
     _assert_same(_run(tiny_models[arch], tp_size=2), base)
     _assert_same(_run(tiny_models[arch], tp_size=2, enable_tp_lm_head_all_to_all=True), base)
+
+
+def test_tp2_deterministic_tied_fp32_head_equals_tp1(tiny_models) -> None:
+    """The tied Llama's fp32 LM head reads each rank's plain vocab shard in place (oneDNN, no packed copy), padded
+    to probed row counts in deterministic mode."""
+    base = _run(tiny_models["llama"])
+    try:
+        _assert_same(_run(tiny_models["llama"], tp_size=2, enable_deterministic_inference=True), base)
+    finally:
+        batch_invariant.set_batch_invariant(False)  # process-wide: off for the tests after this one
 
 
 def test_tp4_replicates_kv_heads(tiny_models) -> None:

@@ -1,6 +1,7 @@
 """Quantised weights under tensor parallelism and in deterministic mode: a tiny Llama written as a Q4_1 GGUF
 keeps its blocks on every rank (column shards by rows, row-parallel shards by whole blocks, vocab shards
-padded with zero blocks) and TP=2 gives the TP=1 tokens, also through the LM-head all-to-all."""
+padded with zero blocks) and TP=2 gives the TP=1 tokens, also through the LM-head all-to-all. The same with
+`--quantization none`, where only the tied embedding's lookup reads (vocab-sharded) blocks."""
 
 from __future__ import annotations
 
@@ -33,8 +34,13 @@ def _run(model: tuple[Path, Path], **kw) -> list[dict]:
     engine = _engine(model, **kw)
     try:
         info = engine.scheduler.model_info()
-        # Every matrix kept as Q4_1 blocks: 2 layers x (qkv, o, gate_up, down) + the tied embedding.
-        assert info["quantization"] == "auto" and info["weight_formats"] == {"q4_1": 9}, info
+        if kw.get("quantization") == "none":
+            # fp32 compute; the tied embedding's lookup reads this rank's vocab shard of the blocks.
+            assert info["weight_formats"] == {"float32": 9}, info
+            assert engine.scheduler.runner.model.model.embed_tokens.lookup_qweight.fmt == "q4_1"
+        else:
+            # Every matrix kept as Q4_1 blocks: 2 layers x (qkv, o, gate_up, down) + the tied embedding.
+            assert info["quantization"] == "auto" and info["weight_formats"] == {"q4_1": 9}, info
         return engine.generate(input_ids=_prompts(), sampling_params=GREEDY)
     finally:
         engine.shutdown()
@@ -56,9 +62,18 @@ def test_tp2_q4_1_equals_tp1(q4_1_gguf) -> None:
                  _run(q4_1_gguf, enable_deterministic_inference=True), QUANT_TP_LOGPROB_TOL)
 
 
-def test_deterministic_q4_1_is_batch_invariant(q4_1_gguf) -> None:
-    """The target request's tokens and logprobs are bitwise the same alone, cached, and inside batches."""
-    engine = _engine(q4_1_gguf, max_total_tokens=8192, enable_deterministic_inference=True)
+def test_tp2_none_with_lookup_blocks_equals_tp1(q4_1_gguf) -> None:
+    base = _run(q4_1_gguf, quantization="none")
+    _assert_same(_run(q4_1_gguf, quantization="none", tp_size=2), base)
+    _assert_same(_run(q4_1_gguf, quantization="none", tp_size=2, enable_tp_lm_head_all_to_all=True,
+                      enable_deterministic_inference=True), base)
+
+
+@pytest.mark.parametrize("quantization", ["auto", "none"])
+def test_deterministic_q4_1_is_batch_invariant(q4_1_gguf, quantization: str) -> None:
+    """The target request's tokens and logprobs are bitwise the same alone, cached, and inside batches (`none`:
+    the lookup reads the tied embedding's blocks, the LM head the packed fp32 matrix)."""
+    engine = _engine(q4_1_gguf, max_total_tokens=8192, enable_deterministic_inference=True, quantization=quantization)
     try:
         res = _variants(engine, {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "logprobs": True})
     finally:

@@ -133,6 +133,9 @@ def test_quantization_policy() -> None:
     assert not resolve_quantization("auto", "hf", f32, cpu).quantized
     assert not resolve_quantization("auto", "gguf", torch.bfloat16, cpu).quantized
     assert not resolve_quantization("none", "gguf", f32, cpu).quantized
+    assert resolve_quantization("none", "gguf", f32, cpu).lookup_formats == frozenset(quant.FORMATS)
+    assert not resolve_quantization("none", "hf", f32, cpu).lookup_formats
+    assert not resolve_quantization("none", "gguf", torch.bfloat16, cpu).lookup_formats  # the blocks give fp32
     assert resolve_quantization("int8", "hf", f32, cpu).target == "q8_0"
     with pytest.raises(ConfigError, match="--quantization q4_0 needs float32 compute on the CPU"):
         resolve_quantization("q4_0", "hf", torch.bfloat16, cpu)
@@ -217,3 +220,74 @@ def test_k_quant_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_di
     # weight, on the embedding and the LM head); a nibble or scale out of place gives O(1).
     assert (a - b).norm() < 0.04 * a.norm(), float((a - b).norm() / a.norm())
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def _no_lookup_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--quantization none` as before issue 13's lookup blocks: every weight dequantised to fp32."""
+    from servelm.model_executor import model_runner
+    from servelm.model_loader import quantization
+
+    monkeypatch.setattr(model_runner, "resolve_quantization", lambda *args: quantization.NONE)
+
+
+def _hidden(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    """The final hidden states of a one-request prefill (what the LM head reads)."""
+    n = len(ids)
+    fb = ForwardBatch.build(ids, list(range(n)), list(range(n)), [n], [list(range(n))], list(range(n)), runner.device)
+    fb.kv_cache = runner.kv_cache
+    with torch.inference_mode():
+        return runner.model.model(fb)
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_0", "Q4_1"])
+def test_none_tied_embedding_lookup_reads_the_blocks(tmp_path: Path, tiny_llama, monkeypatch: pytest.MonkeyPatch,
+                                                      fmt: str) -> None:
+    """`none` on a GGUF whose tied embedding is in a kernel format: the lookup reads the file's blocks, the LM
+    head the packed fp32 matrix (no plain fp32 copy); lookup rows, hidden states and logits are bitwise those of
+    the dequantised fp32 weights, and the reported bytes are the blocks plus the packed copy."""
+    write_gguf(tmp_path / "m.gguf", "llama", tiny_llama[1], quantize=fmt)
+    common = {"model_path": str(tmp_path / "m.gguf"), "tokenizer_path": str(tiny_llama[0]), "max_total_tokens": 64,
+              "quantization": "none"}
+    blocks = ModelRunner(ServerArgs(**common))
+    emb = blocks.model.model.embed_tokens
+    assert blocks.model.lm_head is emb and emb.lookup_qweight.fmt == fmt.lower()
+    assert emb.qweight is None and emb.weight is None and blocks.model.logits_processor.packed is not None
+    assert blocks.weight_formats() == {"float32": 9}  # the embedding computes in fp32
+
+    with monkeypatch.context() as m:
+        _no_lookup_blocks(m)
+        fp32 = ModelRunner(ServerArgs(**common))  # one plain fp32 copy for the lookup and the LM head
+    fp32_emb = fp32.model.model.embed_tokens
+    assert fp32_emb.lookup_qweight is None and fp32.model.logits_processor.packed is None
+    ids = torch.arange(emb.vocab_size)
+    assert torch.equal(emb(ids), fp32_emb(ids))  # every row, bitwise
+    assert torch.equal(emb(ids), torch.nn.functional.embedding(ids, fp32_emb.weight))
+    packed = linear.prepack_weight(fp32_emb.weight.data)
+    for prompt in ([5, 17, 300, 42, 7, 900, 11], [3]):
+        hidden = _hidden(fp32, prompt)
+        assert torch.equal(_hidden(blocks, prompt), hidden)
+        assert torch.equal(_logits(blocks, prompt), linear.packed_linear(hidden, packed, None))
+    assert blocks.weight_bytes - fp32.weight_bytes == emb.lookup_qweight.nbytes > 0
+
+
+def test_none_tied_embedding_without_a_packed_head_stays_plain_fp32(tmp_path: Path, tiny_llama) -> None:
+    """With --disable-fast-path the LM head reads the plain fp32 weight, which serves the lookup too: no blocks."""
+    write_gguf(tmp_path / "m.gguf", "llama", tiny_llama[1], quantize="Q8_0")
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path / "m.gguf"), tokenizer_path=str(tiny_llama[0]),
+                                    max_total_tokens=64, quantization="none", disable_fast_path=True))
+    emb = runner.model.model.embed_tokens
+    assert emb.lookup_qweight is None and emb.qweight is None and emb.weight is not None
+    assert runner.model.logits_processor.packed is None
+
+
+def test_none_untied_gguf_and_hf_folder_keep_no_blocks(tmp_path: Path, tiny_llama, default_tokenizer_dir: Path) -> None:
+    from tests.models.test_model_loader import _tiny_model
+
+    write_gguf(tmp_path / "m.gguf", "llama", _tiny_model("LlamaForCausalLM", tie_word_embeddings=False),
+               quantize="Q8_0")
+    untied = ModelRunner(ServerArgs(model_path=str(tmp_path / "m.gguf"), tokenizer_path=str(tiny_llama[0]),
+                                    max_total_tokens=64, quantization="none"))
+    assert untied.model.model.embed_tokens.lookup_qweight is None
+    assert untied.weight_formats() == {"float32": 10}
+    hf = ModelRunner(ServerArgs(model_path=str(tiny_llama[0]), max_total_tokens=64, quantization="none"))
+    assert hf.model.model.embed_tokens.lookup_qweight is None
