@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.layers import fused
 from servelm.layers.batch_invariant import RowRule, is_batch_invariant, row_rule
 from servelm.model_executor.forward_batch import ForwardBatch
 
@@ -70,6 +71,9 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [B, H, D] of the step's one-token requests (fb.decode_reqs) -> [B, H*D]."""
+        if fused.available(q, k_cache, v_cache):  # one C++ op (fp32 on CPU)
+            assert fb.decode_kv_index is not None and fb.decode_lens is not None
+            return fused.decode_attention(q, k_cache, v_cache, fb.decode_kv_index, fb.decode_lens, self.scale)
         rows, bias = self._decode_plan(fb, q.dtype)
         Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
         B, L = fb.decode_kv_index.shape

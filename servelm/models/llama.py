@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from servelm.kernels import quant
 from servelm.kernels.quant import QuantWeight
+from servelm.layers import fused
 from servelm.layers.attention import PagedAttention
 from servelm.layers.batch_invariant import silu_and_mul
 from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -73,7 +74,10 @@ class LlamaMLP(nn.Module):
                                            bias=getattr(config, "mlp_bias", False), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.available(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(silu_and_mul(gate, up))
 
 
