@@ -2,7 +2,9 @@
 
 Why this shape: on CPU, `index_select` / `index_copy_` beat advanced indexing
 by far, and two small matmuls beat SDPA for a one-token decode query; so
-decode uses explicit matmuls and prefill uses SDPA.
+decode uses explicit matmuls and prefill uses SDPA. For fp32 on CPU, decode is
+one fused C++ op instead (`servelm.layers.fused.decode_attention`: the same
+stable softmax per request and KV head, over each request's own length).
 
 With `--enable-deterministic-inference` both prefill and decode go through
 one batch-invariant path instead (`BatchInvariantAttention`): SDPA and the
@@ -40,6 +42,14 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = fb.kv_cache.k[self.layer_id], fb.kv_cache.v[self.layer_id]
         k_cache.index_copy_(0, fb.out_cache_loc, k)
         v_cache.index_copy_(0, fb.out_cache_loc, v)
+        return self._attend(q, k_cache, v_cache, fb)
+
+    def forward_cached(self, q: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] whose tokens' K/V are already in the cache (`fused.qkv_rotary_cache`) -> [T, H*D]."""
+        assert fb.kv_cache is not None
+        return self._attend(q, fb.kv_cache.k[self.layer_id], fb.kv_cache.v[self.layer_id], fb)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if is_batch_invariant():
             return self.invariant(q, k_cache, v_cache, fb)
         if fb.is_decode:

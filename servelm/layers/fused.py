@@ -90,6 +90,18 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     return _ops().rotary.default(positions, _heads_rows(q), _heads_rows(k), cos, sin)
 
 
+def qkv_rotary_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+    """From a fused projection qkv [T, (H + 2 Hkv) * D]: q [T, H, D] rotated; k rotated and v written into
+    the [slots, Hkv, D] caches at out_cache_loc [T] (split + rotary + the two index_copy_ in one op)."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if positions.dtype != torch.long or not positions.is_contiguous():
+        positions = positions.to(torch.long).contiguous()
+    return _ops().qkv_rotary_cache.default(qkv, positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of gate_up = [gate | up] over the last dim."""
     if not gate_up.is_contiguous():

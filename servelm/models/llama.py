@@ -52,6 +52,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if not self.qk_norm and fb.kv_cache is not None and fused.available(qkv, self.rotary.cos, fb.kv_cache.k):
+            # split, rotary and the KV-cache write in one C++ op
+            lid = self.attn.layer_id
+            q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, fb.kv_cache.k[lid],
+                                       fb.kv_cache.v[lid], fb.out_cache_loc, self.num_heads)
+            return self.o_proj(self.attn.forward_cached(q, fb))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [T, H*D] -> [T, H, D]
         q = q.view(-1, self.num_heads, self.head_dim)

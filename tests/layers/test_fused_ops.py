@@ -123,6 +123,27 @@ def test_rotary(isa: int, H: int, Hkv: int, D: int) -> None:
         rope(torch.tensor([4096]), q[:1], k[:1])
 
 
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(9, 3, 64), (4, 4, 64), (8, 2, 128), (12, 3, 128)])
+def test_qkv_rotary_cache(isa: int, H: int, Hkv: int, D: int) -> None:
+    """q rotated, k rotated and v written into the caches: what split + rotary + index_copy_ do."""
+    g = _gen(H * D + 1)
+    rope = RotaryEmbedding(LlamaConfig(rope_theta=10000.0), D, 2048)
+    for T in (*range(1, 8), 200):
+        qkv = torch.randn(T, (H + 2 * Hkv) * D + 5, generator=g)[:, 5:]  # strided rows, as a slice would be
+        positions = torch.randint(0, 2048, (T,), generator=g)
+        loc = torch.randperm(500, generator=g)[:T]
+        caches = [torch.randn(500, Hkv, D, generator=g) for _ in range(2)]
+        k_cache, v_cache = caches[0].clone(), caches[1].clone()
+        q = fused.qkv_rotary_cache(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, loc, H)
+        q_ref, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q_ref, k_ref = _torch_path(rope, positions, q_ref.view(T, H, D), k.view(T, Hkv, D))
+        caches[0].index_copy_(0, loc, k_ref)
+        caches[1].index_copy_(0, loc, v.reshape(T, Hkv, D))
+        assert torch.equal(q, q_ref) and torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
+    with pytest.raises(RuntimeError, match="outside"):
+        fused.qkv_rotary_cache(qkv[:1], positions[:1], rope.cos, rope.sin, k_cache, v_cache, torch.tensor([500]), H)
+
+
 def test_rotary_scaled_rope() -> None:
     """A scaled RoPE (llama3): the cache carries the scaling, the op reads the cache."""
     config = LlamaConfig(rope_theta=500000.0, max_position_embeddings=8192, head_dim=64, hidden_size=512,

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -22,7 +23,7 @@ struct Kernels {
   void (*rms_norm)(const float* x, const float* res, const float* w, float eps, float* y, float* s, int64_t D,
                    int64_t r0, int64_t r1);
   void (*rotary)(const int64_t* pos, const float* x, int64_t xs, int64_t H, int64_t D, const float* cos,
-                 const float* sin, float* out, int64_t t0, int64_t t1);
+                 const float* sin, float* out, const int64_t* out_rows, int64_t t0, int64_t t1);
   void (*silu_and_mul)(const float* gu, float* y, int64_t I, int64_t r0, int64_t r1);
   void (*decode_attention)(const float* q, const float* kc, const float* vc, const int64_t* index,
                            const int64_t* lens, float scale, int64_t H, int64_t Hkv, int64_t D, int64_t L,
@@ -164,28 +165,81 @@ at::Tensor rotate(const Kernels& k, const at::Tensor& positions, const at::Tenso
   const int64_t xs = T > 1 ? x.stride(0) : H * D;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, grain(H * D), [&](int64_t t0, int64_t t1) { k.rotary(pp, xp, xs, H, D, cp, sp, op, t0, t1); });
+  at::parallel_for(0, T, grain(H * D),
+                   [&](int64_t t0, int64_t t1) { k.rotary(pp, xp, xs, H, D, cp, sp, op, nullptr, t0, t1); });
   return out;
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), "servelm_fused: ", name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+// Checks positions [T] (inside the cache) and the caches cos/sin [P, D/2]; returns T.
+int64_t check_positions(const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  check_index(positions, "positions");
+  TORCH_CHECK(positions.dim() == 1, "servelm_fused: positions must be [T]");
+  check_contig_f32(cos, "cos");
+  check_contig_f32(sin, "sin");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes(), "servelm_fused: cos/sin must be [P, D/2]");
+  const int64_t T = positions.size(0), P = cos.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "servelm_fused: position ", pp[t], " outside the rotary cache [0, ", P, ")");
+  }
+  return T;
 }
 
 // Rotate-half rotary embedding of q [T, H, D] and k [T, Hkv, D] (rows of [heads, D] may be strided, e.g. views
 // of a fused qkv) at positions [T], with cos/sin caches [P, D/2] -> contiguous (q, k).
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong && positions.dim() == 1 &&
-                  positions.is_contiguous(), "servelm_fused: positions must be a contiguous int64 CPU vector");
-  check_contig_f32(cos, "cos");
-  check_contig_f32(sin, "sin");
-  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes(), "servelm_fused: cos/sin must be [P, D/2]");
-  const int64_t T = positions.size(0), D = 2 * cos.size(1), P = cos.size(0);
+  const int64_t T = check_positions(positions, cos, sin), D = 2 * cos.size(1);
   check_heads(q, "q", T, D);
   check_heads(k, "k", T, D);
-  const int64_t* pp = positions.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "servelm_fused: position ", pp[t], " outside the rotary cache [0, ", P, ")");
-  }
   const Kernels& kk = kernels();
   return {rotate(kk, positions, q, cos, sin), rotate(kk, positions, k, cos, sin)};
+}
+
+// The attention input of a layer from its fused projection qkv [T, (H + 2 Hkv) D] (rows may be strided): returns
+// q [T, H, D] rotated, and writes k rotated and v into k_cache, v_cache [slots, Hkv, D] at the slots
+// out_cache_loc [T] (what split + views + rotary + two index_copy_ do).
+at::Tensor qkv_rotary_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& out_cache_loc, int64_t H) {
+  const int64_t T = check_positions(positions, cos, sin), D = 2 * cos.size(1);
+  check_f32(qkv, "qkv");
+  check_contig_f32(k_cache, "k_cache");
+  check_contig_f32(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D,
+              "servelm_fused: k_cache and v_cache must be [slots, Hkv, D=", D, "] alike, got ", k_cache.sizes());
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(0), width = (H + 2 * Hkv) * D;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == T && qkv.size(1) == width && qkv.stride(1) == 1 &&
+                  (T <= 1 || qkv.stride(0) >= width),
+              "servelm_fused: qkv must be [T=", T, ", (H + 2 Hkv) D=", width, "] with contiguous rows, got ",
+              qkv.sizes());
+  check_index(out_cache_loc, "out_cache_loc");
+  TORCH_CHECK(out_cache_loc.dim() == 1 && out_cache_loc.size(0) == T, "servelm_fused: out_cache_loc must be [T]");
+  const int64_t* lp = out_cache_loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < S, "servelm_fused: cache slot ", lp[t], " outside [0, ", S, ")");
+  }
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  if (T == 0) return q;
+  const Kernels& k = kernels();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* xp = qkv.data_ptr<float>();
+  const int64_t xs = T > 1 ? qkv.stride(0) : width;
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, grain(width), [&](int64_t t0, int64_t t1) {
+    k.rotary(pp, xp, xs, H, D, cp, sp, qp, nullptr, t0, t1);
+    k.rotary(pp, xp + H * D, xs, Hkv, D, cp, sp, kp, lp, t0, t1);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(vp + lp[t] * Hkv * D, xp + t * xs + (H + Hkv) * D, sizeof(float) * Hkv * D);
+    }
+  });
+  return q;
 }
 
 // silu(gate_up[..., :I]) * gate_up[..., I:] -> [..., I].
@@ -262,6 +316,8 @@ TORCH_LIBRARY(servelm_fused, lib) {
           &servelm_fused::add_rms_norm);
   lib.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
           &servelm_fused::rotary);
+  lib.def("qkv_rotary_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor out_cache_loc, int num_heads) -> Tensor", &servelm_fused::qkv_rotary_cache);
   lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_index, Tensor lens, float scale) "
           "-> Tensor", &servelm_fused::decode_attention);
