@@ -44,10 +44,11 @@ class PagedAttention(nn.Module):
         v_cache.index_copy_(0, fb.out_cache_loc, v)
         return self._attend(q, k_cache, v_cache, fb)
 
-    def forward_cached(self, q: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D] whose tokens' K/V are already in the cache (`fused.qkv_rotary_cache`) -> [T, H*D]."""
-        assert fb.kv_cache is not None
-        return self._attend(q, fb.kv_cache.k[self.layer_id], fb.kv_cache.v[self.layer_id], fb)
+    def forward_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] whose tokens' K/V are already in this layer's k_cache, v_cache ([slots, Hkv, D], written
+        by `fused.qkv_rotary_cache`) -> [T, H*D]."""
+        return self._attend(q, k_cache, v_cache, fb)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if is_batch_invariant():

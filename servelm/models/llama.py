@@ -54,10 +54,10 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if not self.qk_norm and fb.kv_cache is not None and fused.available(qkv, self.rotary.cos, fb.kv_cache.k):
             # split, rotary and the KV-cache write in one C++ op
-            lid = self.attn.layer_id
-            q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, fb.kv_cache.k[lid],
-                                       fb.kv_cache.v[lid], fb.out_cache_loc, self.num_heads)
-            return self.o_proj(self.attn.forward_cached(q, fb))
+            k_cache, v_cache = fb.kv_cache.k[self.attn.layer_id], fb.kv_cache.v[self.attn.layer_id]
+            q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                                       fb.out_cache_loc, self.num_heads)
+            return self.o_proj(self.attn.forward_cached(q, k_cache, v_cache, fb))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [T, H*D] -> [T, H, D]
         q = q.view(-1, self.num_heads, self.head_dim)
