@@ -1,5 +1,6 @@
 """JIT build of the C++ kernels in `csrc/`: compiled once per (sources, flags, torch, Python, machine, compiler
-version) into a per-user cache dir, loaded as torch ops (`torch.ops.servelm_quant`).
+version) into a per-user cache dir, loaded as torch ops (`torch.ops.servelm_quant`, and `torch.ops.servelm_fused`:
+the fused layer ops of `fused_ops.cpp`, servelm.layers.fused).
 
 Processes that build at the same time (TP ranks) serialise on an flock in the cache dir (released by the
 kernel if a builder dies, unlike torch's own `lock` file, which is cleared when found stale under the flock).
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("quant_ops.cpp", "quant_scalar.cpp", "quant_avx2.cpp", "quant_avx512.cpp", "quant_avx512_vnni.cpp",
-           "tiles_scalar.cpp", "tiles_avx2.cpp", "tiles_avx512.cpp")
+           "tiles_scalar.cpp", "tiles_avx2.cpp", "tiles_avx512.cpp", "fused_ops.cpp")
 CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # no fp contraction: dequantised values stay
 # exactly gguf's; OpenMP: at::parallel_for is inline, so without it the kernel runs on one thread
 LDFLAGS = ["-fopenmp"]
@@ -97,7 +98,9 @@ def _build_and_load(name: str, build_dir: Path) -> None:
         (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, stale if a builder died
         logger.info("Building servelm's quantised-weight kernels (once per machine, ~1 min) in %s", build_dir)
         t0 = time.monotonic()
-        load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        # copies: torch appends its own -L/-l flags to the list it is given, which changed build_key() after a build
+        load(name=name, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+             extra_ldflags=list(LDFLAGS),
              build_directory=str(build_dir),
              is_python_module=False, verbose=False)
         (build_dir / "complete").touch()

@@ -2,7 +2,9 @@
 
 Why this shape: on CPU, `index_select` / `index_copy_` beat advanced indexing
 by far, and two small matmuls beat SDPA for a one-token decode query; so
-decode uses explicit matmuls and prefill uses SDPA.
+decode uses explicit matmuls and prefill uses SDPA. For fp32 on CPU, decode is
+one fused C++ op instead (`servelm.layers.fused.decode_attention`: the same
+stable softmax per request and KV head, over each request's own length).
 
 With `--enable-deterministic-inference` both prefill and decode go through
 one batch-invariant path instead (`BatchInvariantAttention`): SDPA and the
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from servelm.layers import fused
 from servelm.layers.batch_invariant import RowRule, is_batch_invariant, row_rule
 from servelm.model_executor.forward_batch import ForwardBatch
 
@@ -39,6 +42,15 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = fb.kv_cache.k[self.layer_id], fb.kv_cache.v[self.layer_id]
         k_cache.index_copy_(0, fb.out_cache_loc, k)
         v_cache.index_copy_(0, fb.out_cache_loc, v)
+        return self._attend(q, k_cache, v_cache, fb)
+
+    def forward_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] whose tokens' K/V are already in this layer's k_cache, v_cache ([slots, Hkv, D], written
+        by `fused.qkv_rotary_cache`) -> [T, H*D]."""
+        return self._attend(q, k_cache, v_cache, fb)
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         if is_batch_invariant():
             return self.invariant(q, k_cache, v_cache, fb)
         if fb.is_decode:
@@ -70,6 +82,9 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [B, H, D] of the step's one-token requests (fb.decode_reqs) -> [B, H*D]."""
+        if fused.available(q, k_cache, v_cache):  # one C++ op (fp32 on CPU)
+            assert fb.decode_kv_index is not None and fb.decode_lens is not None
+            return fused.decode_attention(q, k_cache, v_cache, fb.decode_kv_index, fb.decode_lens, self.scale)
         rows, bias = self._decode_plan(fb, q.dtype)
         Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
         B, L = fb.decode_kv_index.shape

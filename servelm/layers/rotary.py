@@ -11,6 +11,8 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from servelm.layers import fused
+
 
 def _rope_parameters(config: PretrainedConfig) -> dict:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -41,6 +43,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D] -> rotated (rotate-half convention, as in HF)."""
+        if fused.available(q, k, self.cos):
+            return fused.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

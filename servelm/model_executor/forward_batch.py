@@ -33,6 +33,7 @@ class ForwardBatch:
     decode_tokens: torch.Tensor | None = None  # [B]; None when every request of the step is a decode
     decode_kv_index: torch.Tensor | None = None  # [B, Lmax] slots, padded with the row's first slot
     decode_bias: torch.Tensor | None = None  # [B, 1, 1, Lmax] fp32, 0 = attend, -inf = padding
+    decode_lens: torch.Tensor | None = None  # [B] int64: row b attends to decode_kv_index[b, :decode_lens[b]]
     # Per-forward derived data that every layer shares (attention plans), keyed by what it depends on.
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
@@ -78,6 +79,7 @@ class ForwardBatch:
                 index[b, : len(k)] = k
                 index[b, len(k):] = k[0]
             fb.decode_kv_index = index
-            pad = torch.arange(max_len, device=device)[None, :] >= t(lens)[:, None]
+            fb.decode_lens = t(lens)
+            pad = torch.arange(max_len, device=device)[None, :] >= fb.decode_lens[:, None]
             fb.decode_bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None, :]
         return fb

@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from servelm.kernels import quant
 from servelm.kernels.quant import QuantWeight
+from servelm.layers import fused
 from servelm.layers.attention import PagedAttention
 from servelm.layers.batch_invariant import silu_and_mul
 from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -51,6 +52,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if not self.qk_norm and fb.kv_cache is not None and fused.available(qkv, self.rotary.cos, fb.kv_cache.k):
+            # split, rotary and the KV-cache write in one C++ op
+            k_cache, v_cache = fb.kv_cache.k[self.attn.layer_id], fb.kv_cache.v[self.attn.layer_id]
+            q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                                       fb.out_cache_loc, self.num_heads)
+            return self.o_proj(self.attn.forward_cached(q, k_cache, v_cache, fb))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [T, H*D] -> [T, H, D]
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -73,7 +80,10 @@ class LlamaMLP(nn.Module):
                                            bias=getattr(config, "mlp_bias", False), dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.available(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(silu_and_mul(gate, up))
 
 

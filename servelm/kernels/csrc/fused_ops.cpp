@@ -1,0 +1,324 @@
+// torch ops `servelm_fused::*`: the small per-token ops of a decoder layer fused into one call each (RMSNorm with
+// and without the residual add, rotary embedding, SiLU-and-multiply, decode attention over the paged KV cache),
+// fp32 on CPU. At batch 1 a decode step is dominated by the dispatch of ~75 tiny torch ops per layer; each of
+// these replaces 3 to 15 of them. Run-time ISA dispatch (AVX-512, AVX2, SSE2) as in quant_ops.cpp; threads
+// (torch's intra-op pool) only above a grain of work, since for one token a fork/join costs more than the op.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+namespace servelm_fused {
+
+// One ISA's kernels; each runs on a range of rows (tokens, or (request, kv head) items) so the ops can split it
+// across threads.
+struct Kernels {
+  void (*rms_norm)(const float* x, const float* res, const float* w, float eps, float* y, float* s, int64_t D,
+                   int64_t r0, int64_t r1);
+  void (*rotary)(const int64_t* pos, const float* x, int64_t xs, int64_t H, int64_t D, const float* cos,
+                 const float* sin, float* out, const int64_t* out_rows, int64_t t0, int64_t t1);
+  void (*silu_and_mul)(const float* gu, float* y, int64_t I, int64_t r0, int64_t r1);
+  void (*decode_attention)(const float* q, const float* kc, const float* vc, const int64_t* index,
+                           const int64_t* lens, float scale, int64_t H, int64_t Hkv, int64_t D, int64_t L,
+                           float* out, int64_t i0, int64_t i1, float* scores);
+};
+
+namespace sse2 {
+#define SERVELM_W 4
+#include "fused_kernels.inc"
+#undef SERVELM_W
+}  // namespace sse2
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace avx2 {
+#define SERVELM_W 8
+#include "fused_kernels.inc"
+#undef SERVELM_W
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+#define SERVELM_W 16
+#include "fused_kernels.inc"
+#undef SERVELM_W
+}  // namespace avx512
+#pragma GCC pop_options
+#endif
+
+namespace {
+
+enum Isa : int64_t { kSse2 = 0, kAvx2 = 1, kAvx512 = 2 };
+
+int64_t best_isa() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return kAvx512;
+  if (__builtin_cpu_supports("avx2")) return kAvx2;
+#endif
+  return kSse2;
+}
+
+std::atomic<int64_t> g_isa{-1};
+
+const Kernels& kernels() {
+  int64_t isa = g_isa.load(std::memory_order_relaxed);
+  if (isa < 0) {
+    isa = best_isa();
+    g_isa.store(isa, std::memory_order_relaxed);
+  }
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == kAvx512) return avx512::kernels;
+  if (isa == kAvx2) return avx2::kernels;
+#endif
+  return sse2::kernels;
+}
+
+// The ISA every op uses from now on (tests run each path): -1 = the best this CPU has. Returns the one in use.
+int64_t set_isa(int64_t isa) {
+  const int64_t best = best_isa();
+  TORCH_CHECK(isa >= -1 && isa <= best, "servelm_fused: ISA level ", isa, " is not available here (best ", best,
+              ")");
+  g_isa.store(isa < 0 ? best : isa, std::memory_order_relaxed);
+  return g_isa.load();
+}
+
+// Elements of work below which an op runs on the calling thread.
+constexpr int64_t kGrainElems = 1 << 15;
+
+int64_t grain(int64_t per_row) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, per_row)); }
+
+void check_f32(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "servelm_fused: ", name,
+              " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+}
+
+void check_contig_f32(const at::Tensor& t, const char* name) {
+  check_f32(t, name);
+  TORCH_CHECK(t.is_contiguous(), "servelm_fused: ", name, " must be contiguous");
+}
+
+std::tuple<at::Tensor, at::Tensor> norm_impl(const at::Tensor& x, const at::Tensor* residual,
+                                             const at::Tensor& weight, double eps) {
+  check_contig_f32(x, "x");
+  check_contig_f32(weight, "weight");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), "servelm_fused: x's last dim (",
+              x.dim() ? x.size(-1) : 0, ") must equal weight's size (", weight.numel(), ")");
+  const int64_t D = weight.size(0), N = D ? x.numel() / D : 0;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor s;
+  const float* res = nullptr;
+  if (residual != nullptr) {
+    check_contig_f32(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "servelm_fused: residual's shape ", residual->sizes(),
+                " differs from x's ", x.sizes());
+    res = residual->data_ptr<float>();
+    s = at::empty_like(x);
+  }
+  if (N == 0 || D == 0) return {y, s};
+  const Kernels& k = kernels();
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* sp = s.defined() ? s.data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, N, grain(D), [&](int64_t r0, int64_t r1) { k.rms_norm(xp, res, wp, e, yp, sp, D, r0, r1); });
+  return {y, s};
+}
+
+// weight * (x * rsqrt(mean(x^2, -1) + eps)) over the last dim.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<0>(norm_impl(x, nullptr, weight, eps));
+}
+
+// (rms_norm(x + residual), x + residual).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norm_impl(x, &residual, weight, eps);
+}
+
+void check_heads(const at::Tensor& x, const char* name, int64_t T, int64_t D) {
+  check_f32(x, name);
+  TORCH_CHECK(x.dim() == 3 && x.size(0) == T && x.size(2) == D, "servelm_fused: ", name, " must be [T=", T,
+              ", heads, D=", D, "], got ", x.sizes());
+  TORCH_CHECK(x.stride(2) == 1 && (x.size(1) <= 1 || x.stride(1) == D) && (T <= 1 || x.stride(0) >= x.size(1) * D),
+              "servelm_fused: ", name, " must have contiguous [heads, D] rows");
+}
+
+at::Tensor rotate(const Kernels& k, const at::Tensor& positions, const at::Tensor& x, const at::Tensor& cos,
+                  const at::Tensor& sin) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  if (T == 0 || H == 0) return out;
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* xp = x.data_ptr<float>();
+  const int64_t xs = T > 1 ? x.stride(0) : H * D;
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, grain(H * D),
+                   [&](int64_t t0, int64_t t1) { k.rotary(pp, xp, xs, H, D, cp, sp, op, nullptr, t0, t1); });
+  return out;
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.is_contiguous(), "servelm_fused: ", name,
+              " must be a contiguous int64 CPU tensor");
+}
+
+// Checks positions [T] (inside the cache) and the caches cos/sin [P, D/2]; returns T.
+int64_t check_positions(const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  check_index(positions, "positions");
+  TORCH_CHECK(positions.dim() == 1, "servelm_fused: positions must be [T]");
+  check_contig_f32(cos, "cos");
+  check_contig_f32(sin, "sin");
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes(), "servelm_fused: cos/sin must be [P, D/2]");
+  const int64_t T = positions.size(0), P = cos.size(0);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < P, "servelm_fused: position ", pp[t], " outside the rotary cache [0, ", P, ")");
+  }
+  return T;
+}
+
+// Rotate-half rotary embedding of q [T, H, D] and k [T, Hkv, D] (rows of [heads, D] may be strided, e.g. views
+// of a fused qkv) at positions [T], with cos/sin caches [P, D/2] -> contiguous (q, k).
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t T = check_positions(positions, cos, sin), D = 2 * cos.size(1);
+  check_heads(q, "q", T, D);
+  check_heads(k, "k", T, D);
+  const Kernels& kk = kernels();
+  return {rotate(kk, positions, q, cos, sin), rotate(kk, positions, k, cos, sin)};
+}
+
+// The attention input of a layer from its fused projection qkv [T, (H + 2 Hkv) D] (rows may be strided): returns
+// q [T, H, D] rotated, and writes k rotated and v into k_cache, v_cache [slots, Hkv, D] at the slots
+// out_cache_loc [T] (what split + views + rotary + two index_copy_ do).
+at::Tensor qkv_rotary_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                            const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& out_cache_loc, int64_t H) {
+  const int64_t T = check_positions(positions, cos, sin), D = 2 * cos.size(1);
+  check_f32(qkv, "qkv");
+  check_contig_f32(k_cache, "k_cache");
+  check_contig_f32(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D,
+              "servelm_fused: k_cache and v_cache must be [slots, Hkv, D=", D, "] alike, got ", k_cache.sizes());
+  const int64_t Hkv = k_cache.size(1), S = k_cache.size(0), width = (H + 2 * Hkv) * D;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == T && qkv.size(1) == width && qkv.stride(1) == 1 &&
+                  (T <= 1 || qkv.stride(0) >= width),
+              "servelm_fused: qkv must be [T=", T, ", (H + 2 Hkv) D=", width, "] with contiguous rows, got ",
+              qkv.sizes());
+  check_index(out_cache_loc, "out_cache_loc");
+  TORCH_CHECK(out_cache_loc.dim() == 1 && out_cache_loc.size(0) == T, "servelm_fused: out_cache_loc must be [T]");
+  const int64_t* lp = out_cache_loc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(lp[t] >= 0 && lp[t] < S, "servelm_fused: cache slot ", lp[t], " outside [0, ", S, ")");
+  }
+  at::Tensor q = at::empty({T, H, D}, qkv.options());
+  if (T == 0) return q;
+  const Kernels& k = kernels();
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  const float* xp = qkv.data_ptr<float>();
+  const int64_t xs = T > 1 ? qkv.stride(0) : width;
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  at::parallel_for(0, T, grain(width), [&](int64_t t0, int64_t t1) {
+    k.rotary(pp, xp, xs, H, D, cp, sp, qp, nullptr, t0, t1);
+    k.rotary(pp, xp + H * D, xs, Hkv, D, cp, sp, kp, lp, t0, t1);
+    for (int64_t t = t0; t < t1; ++t) {
+      std::memcpy(vp + lp[t] * Hkv * D, xp + t * xs + (H + Hkv) * D, sizeof(float) * Hkv * D);
+    }
+  });
+  return q;
+}
+
+// silu(gate_up[..., :I]) * gate_up[..., I:] -> [..., I].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_contig_f32(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "servelm_fused: gate_up's last dim must be even");
+  const int64_t I = gate_up.size(-1) / 2;
+  std::vector<int64_t> shape(gate_up.sizes().begin(), gate_up.sizes().end());
+  shape.back() = I;
+  at::Tensor y = at::empty(shape, gate_up.options());
+  const int64_t N = I ? gate_up.numel() / (2 * I) : 0;
+  if (N == 0) return y;
+  const Kernels& k = kernels();
+  const float* gp = gate_up.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, grain(2 * I), [&](int64_t r0, int64_t r1) { k.silu_and_mul(gp, yp, I, r0, r1); });
+  return y;
+}
+
+// One query token per request over its cached keys: q [B, H, D]; k_cache, v_cache [slots, Hkv, D]; kv_index
+// [B, L] cache slots, of which request b attends to the first lens[b] -> [B, H * D]. Query head h reads kv
+// head h / (H / Hkv); softmax(scale * q.k) with the max subtracted.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& kv_index, const at::Tensor& lens, double scale) {
+  check_contig_f32(q, "q");
+  check_contig_f32(k_cache, "k_cache");
+  check_contig_f32(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
+              "servelm_fused: q must be [B, H, D], k_cache and v_cache [slots, Hkv, D] alike");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && Hkv > 0 && H % Hkv == 0, "servelm_fused: head_dim/heads of q ", q.sizes(),
+              " and the cache ", k_cache.sizes(), " do not match");
+  TORCH_CHECK(kv_index.device().is_cpu() && kv_index.scalar_type() == at::kLong && kv_index.is_contiguous() &&
+                  kv_index.dim() == 2 && kv_index.size(0) == B,
+              "servelm_fused: kv_index must be a contiguous int64 [B, L] CPU tensor");
+  TORCH_CHECK(lens.device().is_cpu() && lens.scalar_type() == at::kLong && lens.is_contiguous() && lens.dim() == 1 &&
+                  lens.size(0) == B, "servelm_fused: lens must be a contiguous int64 [B] CPU tensor");
+  const int64_t L = kv_index.size(1);
+  at::Tensor out = at::empty({B, H * D}, q.options());
+  if (B == 0 || H == 0) return out;
+  const int64_t* ip = kv_index.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "servelm_fused: request ", b, " attends to ", lp[b], " positions of ", L);
+    for (int64_t l = 0; l < lp[b]; ++l) {
+      TORCH_CHECK(ip[b * L + l] >= 0 && ip[b * L + l] < S, "servelm_fused: cache slot ", ip[b * L + l],
+                  " outside [0, ", S, ")");
+    }
+    max_len = std::max(max_len, lp[b]);
+  }
+  const Kernels& k = kernels();
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  const int64_t g = H / Hkv;
+  // per item ~2 * max_len * g * D multiply-adds
+  at::parallel_for(0, B * Hkv, grain(2 * max_len * g * D), [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> scores;
+    if (static_cast<int64_t>(scores.size()) < g * max_len) scores.resize(g * max_len);
+    k.decode_attention(qp, kp, vp, ip, lp, sc, H, Hkv, D, L, op, i0, i1, scores.data());
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace servelm_fused
+
+TORCH_LIBRARY(servelm_fused, lib) {
+  lib.def("best_isa() -> int", &servelm_fused::best_isa);
+  lib.def("set_isa(int isa) -> int", &servelm_fused::set_isa);
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &servelm_fused::rms_norm);
+  lib.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+          &servelm_fused::add_rms_norm);
+  lib.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+          &servelm_fused::rotary);
+  lib.def("qkv_rotary_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+          "Tensor(b!) v_cache, Tensor out_cache_loc, int num_heads) -> Tensor", &servelm_fused::qkv_rotary_cache);
+  lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
+  lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_index, Tensor lens, float scale) "
+          "-> Tensor", &servelm_fused::decode_attention);
+}

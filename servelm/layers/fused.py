@@ -1,0 +1,118 @@
+"""Fused C++ ops for the small per-token ops of a decoder layer (servelm/kernels/csrc/fused_ops.cpp).
+
+At batch 1 a decode step of a small model is dominated by the dispatch cost of the many tiny torch ops
+around the matmuls (RMSNorm as pow/mean/rsqrt/mul, rotary as slices/cat/mul, decode attention as
+index_select/baddbmm/softmax/bmm, SiLU-and-multiply); each op here replaces 3 to 15 of them with one call.
+
+The layers call these only where `available(...)` says so: the kernel library loaded (it is built with the
+quantised-weight kernels, `servelm.kernels.build`), every tensor is fp32 on CPU, deterministic mode
+(`--enable-deterministic-inference`) is off (that mode keeps its own batch-invariant torch code), and the
+fused ops are not switched off (`SERVELM_FUSED_OPS=0` at start-up, or `set_enabled(False)`). Otherwise the
+layers run their torch code, which these ops match to ~1e-6 relative (no FMA; exp within ~2 ulp).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import Any
+
+import torch
+
+from servelm.layers import batch_invariant
+
+ENV = "SERVELM_FUSED_OPS"
+
+_enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Use the fused ops (where available) or always the torch code from now on; returns the previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def is_enabled() -> bool:
+    """The switch of `set_enabled` (not whether the library could be loaded: see `loaded`)."""
+    return _enabled
+
+
+@cache
+def _ops() -> Any | None:
+    from servelm.kernels import build
+
+    if not build.load_quant_ops():
+        return None
+    return torch.ops.servelm_fused
+
+
+def loaded() -> bool:
+    """Whether the fused kernels are built and loaded (the first call builds or loads them)."""
+    return _ops() is not None
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """Whether the layers should call the fused ops on these tensors now."""
+    if not _enabled or batch_invariant._ENABLED:
+        return False
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return _ops() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim; with `residual`: (rms_norm(x + residual), x + residual)."""
+    ops = _ops()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if residual is None:
+        return ops.rms_norm.default(x, weight, eps)
+    if not residual.is_contiguous():
+        residual = residual.contiguous()
+    return ops.add_rms_norm.default(x, residual, weight, eps)
+
+
+def _heads_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as the kernel reads it: each token's [H, D] contiguous (token rows may be strided)."""
+    if x.stride(-1) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        return x.contiguous()
+    return x
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half rotary embedding of q [T, H, D] and k [T, Hkv, D] at `positions` ([T] int64)."""
+    if positions.dtype != torch.long or not positions.is_contiguous():
+        positions = positions.to(torch.long).contiguous()
+    return _ops().rotary.default(positions, _heads_rows(q), _heads_rows(k), cos, sin)
+
+
+def qkv_rotary_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
+                     num_heads: int) -> torch.Tensor:
+    """From a fused projection qkv [T, (H + 2 Hkv) * D]: q [T, H, D] rotated; k rotated and v written into
+    the [slots, Hkv, D] caches at out_cache_loc [T] (split + rotary + the two index_copy_ in one op)."""
+    if qkv.stride(-1) != 1:
+        qkv = qkv.contiguous()
+    if positions.dtype != torch.long or not positions.is_contiguous():
+        positions = positions.to(torch.long).contiguous()
+    return _ops().qkv_rotary_cache.default(qkv, positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up = [gate | up] over the last dim."""
+    if not gate_up.is_contiguous():
+        gate_up = gate_up.contiguous()
+    return _ops().silu_and_mul.default(gate_up)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_index: torch.Tensor,
+                     lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per request: q [B, H, D] over the first lens[b] slots of kv_index [B, L] in the
+    [slots, Hkv, D] caches -> [B, H * D]."""
+    if not q.is_contiguous():
+        q = q.contiguous()
+    return _ops().decode_attention.default(q, k_cache, v_cache, kv_index, lens, scale)
