@@ -106,8 +106,10 @@ K_FORMATS = {"q4_k": "q4_1", "q6_k": "q8_0"}
 _K_ROWS = 1024  # Q6_K rows dequantised at once (bounded fp32 scratch for a big LM head)
 
 
-def from_gguf_k(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
-    """A weight from GGUF k-quant blocks (`fmt` "q4_k" or "q6_k"; see K_FORMATS): uint8 [N, bytes_per_row]."""
+def from_gguf_k(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight | None:
+    """A weight from GGUF k-quant blocks (`fmt` "q4_k" or "q6_k"; see K_FORMATS): uint8 [N, bytes_per_row].
+
+    None when a Q4_K sub-block's scale product does not fit fp16 (the caller then dequantises to fp32)."""
     if fmt not in K_FORMATS:
         raise ValueError(f"unknown k-quant format {fmt!r}; expected one of {', '.join(K_FORMATS)}")
     n, k = int(shape[0]), int(shape[1])
@@ -127,7 +129,7 @@ def from_gguf_k(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeigh
     scale = d * sc.astype(np.float32)
     minimum = -(dmin * mins.astype(np.float32))
     if max(np.abs(scale).max(initial=0), np.abs(minimum).max(initial=0)) > np.finfo(np.float16).max:
-        raise ValueError("q4_k weight: a sub-block scale overflows fp16")
+        return None
     # Sub-block 2c holds the low nibbles of the super-block's bytes 32c..32c+31, sub-block 2c + 1 the high ones.
     qs = blocks[:, 16:].reshape(n * nsb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     vals = (qs & 0x0F).reshape(n, nsb * 8, 32)  # [n, KB, 32] codes in order

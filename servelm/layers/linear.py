@@ -54,6 +54,9 @@ class PrepackMixin:
     in_features: int
     packed: torch.Tensor | None = None
     qweight: QuantWeight | None = None
+    # Shards quantised in different formats (a Q4_K_M file's Q4_K q/k with a Q6_K v): runs of same-format
+    # shards as one weight each, applied one after the other and their outputs concatenated.
+    qweight_parts: list[QuantWeight] | None = None
 
     def _init_shards(self, count: int) -> None:
         self._num_shards = count
@@ -67,19 +70,30 @@ class PrepackMixin:
         return True
 
     def finish_loading(self) -> None:
-        """Every weight has arrived: quantised shards of one format become this layer's only weight; a mix of
-        formats (or of blocks and fp32) is dequantised into the fp32 parameter instead."""
+        """Every weight has arrived: quantised shards become this layer's only weight (one `qweight`, or
+        `qweight_parts` where the shards' formats differ); a mix of blocks and fp32 shards is dequantised into
+        the fp32 parameter instead."""
         shards, self._quant_shards = self._quant_shards, {}
         if not shards:
             return
         formats = {qw.fmt for qw in shards.values()}
-        if len(shards) == self._num_shards and len(formats) == 1:
-            parts = [shards[i] for i in sorted(shards)]
-            qweight = parts[0] if len(parts) == 1 else quant.cat_rows(parts)
-            if qweight.shape != (self.out_features, self.in_features):  # fp32's copy_ would have refused it
-                raise ValueError(f"{type(self).__name__}: the checkpoint's quantised weight is {list(qweight.shape)}, "
-                                 f"the model expects [{self.out_features}, {self.in_features}]")
-            self.qweight = qweight
+        if len(shards) == self._num_shards:
+            runs: list[list[QuantWeight]] = []  # consecutive shards of one format
+            for i in sorted(shards):
+                if runs and runs[-1][0].fmt == shards[i].fmt:
+                    runs[-1].append(shards[i])
+                else:
+                    runs.append([shards[i]])
+            parts = [run[0] if len(run) == 1 else quant.cat_rows(run) for run in runs]
+            shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+            if shape != (self.out_features, self.in_features) or any(p.shape[1] != shape[1] for p in parts):
+                shown = list(parts[0].shape) if len(parts) == 1 else [list(p.shape) for p in parts]
+                raise ValueError(f"{type(self).__name__}: the checkpoint's quantised weight is {shown}, the model "
+                                 f"expects [{self.out_features}, {self.in_features}]")  # fp32's copy_ would refuse it
+            if len(parts) == 1:
+                self.qweight = parts[0]
+            else:
+                self.qweight_parts = parts
             self.register_parameter("weight", None)
             return
         logger.info("%s: weight shards in %s and fp32 mixed; dequantised to fp32", type(self).__name__,
@@ -93,6 +107,13 @@ class PrepackMixin:
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qweight is not None:
             return quant_linear(x, self.qweight, bias)
+        if self.qweight_parts is not None:
+            outs, row = [], 0
+            for part in self.qweight_parts:
+                n = part.shape[0]
+                outs.append(quant_linear(x, part, None if bias is None else bias[row: row + n]))
+                row += n
+            return torch.cat(outs, dim=-1)
         if batch_invariant._ENABLED:
             return self._invariant_matmul(x, bias)
         if self.packed is not None:

@@ -180,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
             qweight = getattr(m, "qweight", None)
             if qweight is not None:
                 out.append((qweight.fmt, qweight.nbytes))
+            elif getattr(m, "qweight_parts", None) is not None:  # shards in different formats: one entry each
+                out.extend((part.fmt, part.nbytes) for part in m.qweight_parts)
             elif isinstance(m, (PrepackMixin, VocabParallelEmbedding)):
                 weight, packed = m.weight, getattr(m, "packed", None)
                 if m is self.lm_head:

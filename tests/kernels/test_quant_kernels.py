@@ -253,6 +253,11 @@ def test_q4_k_repacks_as_q4_1_exactly_when_the_scales_fit_fp16():
     assert np.array_equal(quant.dequantize(qw).numpy(), expected)
 
 
+def test_q4_k_whose_scales_overflow_fp16_is_not_repacked():
+    raw = _random_q4_k(2, 256, np.full(2, 60000.0), np.full(2, 1.0), seed=12)  # 60000 x a 6-bit scale > fp16
+    assert quant.from_gguf_k(raw, "q4_k", (2, 256)) is None  # the loader dequantises it to fp32 instead
+
+
 def test_q4_k_repack_rounds_only_the_sub_block_scales():
     from gguf.quants import Q4_K
 

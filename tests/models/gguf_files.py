@@ -119,8 +119,9 @@ def write_gguf(
             arr = _llama_cpp_permute(arr, cfg.num_key_value_heads)
         if override_dtype and gguf_name in override_dtype:
             w.add_tensor(gguf_name, arr.astype(override_dtype[gguf_name]))
-        elif quantize == "Q4_K_M" and arr.ndim == 2:  # as llama.cpp's mix: Q6_K for the embedding/output
-            qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight") else "Q4_K"
+        elif quantize == "Q4_K_M" and arr.ndim == 2:  # as llama.cpp's mix: Q6_K for the embedding/output and
+            # some layers' attn_v (its "use_more_bits" layers; here layer 0), Q4_K elsewhere
+            qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight", "blk.0.attn_v.weight") else "Q4_K"
             w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
         elif quantize and arr.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quantize]

@@ -68,17 +68,32 @@ def test_quantized_shard_equals_fp32_shard(fake_tp, kind: str, tp: int) -> None:
         assert torch.equal(_weight(kept), fp32.weight.data), (kind, rank)
 
 
-def test_mixed_shard_formats_fall_back_to_fp32(fake_tp) -> None:
+def test_mixed_shard_formats_stay_blocks_and_blocks_with_fp32_fall_back(fake_tp) -> None:
+    """q in q4_1 with k and v in q8_0 (a Q4_K_M file's Q4_K q/k and Q6_K v): one weight per run of a format,
+    outputs concatenated, bias split along; blocks mixed with an fp32 shard are dequantised to fp32."""
     fake_tp(0, 1)
-    layer = QKVParallelLinear(64, 32, num_heads=4, num_kv_heads=2)
     parts = [torch.randn(128, 64), torch.randn(64, 64), torch.randn(64, 64)]
-    for shard_id, (t, fmt) in enumerate(zip(parts, ["q4_1", "q8_0", "q8_0"], strict=True)):
+    fmts = ["q4_1", "q8_0", "q8_0"]
+    layer = QKVParallelLinear(64, 32, num_heads=4, num_kv_heads=2, bias=True)
+    for shard_id, (t, fmt) in enumerate(zip(parts, fmts, strict=True)):
         layer.weight_loader(layer.weight, quant.quantize(t, fmt), shard_id)
+    layer.bias.data.copy_(torch.randn(256))
     layer.finish_loading()
-    assert layer.qweight is None
-    expected = torch.cat([quant.dequantize(quant.quantize(t, f)) for t, f in zip(parts, ["q4_1", "q8_0", "q8_0"],
-                                                                                  strict=True)])
-    assert torch.equal(layer.weight.data, expected)
+    assert layer.qweight is None and layer.weight is None
+    assert [(p.fmt, p.shape) for p in layer.qweight_parts] == [("q4_1", (128, 64)), ("q8_0", (128, 64))]
+    x = torch.randn(3, 64)
+    w = torch.cat([quant.dequantize(quant.quantize(t, f)) for t, f in zip(parts, fmts, strict=True)])
+    torch.testing.assert_close(layer(x), x @ w.T + layer.bias, rtol=1e-3, atol=2e-3)
+
+    mixed = QKVParallelLinear(64, 32, num_heads=4, num_kv_heads=2)
+    mixed.weight_loader(mixed.weight, quant.quantize(parts[0], "q4_1"), 0)
+    mixed.weight_loader(mixed.weight, parts[1], 1)
+    mixed.weight_loader(mixed.weight, quant.quantize(parts[2], "q8_0"), 2)
+    mixed.finish_loading()
+    assert mixed.qweight is None and mixed.qweight_parts is None
+    expected = torch.cat([quant.dequantize(quant.quantize(parts[0], "q4_1")), parts[1],
+                          quant.dequantize(quant.quantize(parts[2], "q8_0"))])
+    assert torch.equal(mixed.weight.data, expected)
 
 
 def test_row_parallel_split_inside_a_block_is_a_clear_error(fake_tp) -> None:
@@ -199,9 +214,10 @@ def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, a
 
 
 def test_k_quant_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_dir: Path) -> None:
-    """A Q4_K_M-style file (Q4_K matrices, Q6_K tied embedding): `auto` repacks Q4_K as q4_1 and requantises
-    Q6_K to q8_0, holds them in about the file's bytes, and computes what `none` computes from gguf's own
-    dequantisation of the same file, up to those roundings."""
+    """A Q4_K_M-style file (Q4_K matrices, Q6_K tied embedding and layer 0's v): `auto` repacks Q4_K as q4_1
+    and requantises Q6_K to q8_0 (layer 0's qkv holds a q4_1 q/k and a q8_0 v), holds them in about the file's
+    bytes, and computes what `none` computes from gguf's own dequantisation of the same file, up to those
+    roundings."""
     folder, model = build_tiny_model(tmp_path / "hf", default_tokenizer_dir, "llama", std=0.1, hidden_size=256,
                                      intermediate_size=512, head_dim=64)
     path = tmp_path / "m.gguf"
@@ -209,7 +225,8 @@ def test_k_quant_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_di
     common = {"model_path": str(path), "tokenizer_path": str(folder), "max_total_tokens": 64}
     fp32 = ModelRunner(ServerArgs(**common, quantization="none"))
     kept = ModelRunner(ServerArgs(**common))
-    assert kept.weight_formats() == {"q4_1": 8, "q8_0": 1} and fp32.weight_formats() == {"float32": 9}
+    assert kept.weight_formats() == {"q4_1": 8, "q8_0": 2} and fp32.weight_formats() == {"float32": 9}
+    assert [p.fmt for p in kept.model.model.layers[0].self_attn.qkv_proj.qweight_parts] == ["q4_1", "q8_0"]
     from gguf import GGUFReader
 
     file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)

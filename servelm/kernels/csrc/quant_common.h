@@ -2,7 +2,8 @@
 //
 // The scheme (llama.cpp's, with 16-bit activations): each row of x is quantised per block of 32 to int16 with
 // a power-of-two scale s (|x| / s <= 32767, rounded to nearest even); a block's dot product with the weight's
-// integer codes is exact int32 arithmetic (vpdpwssd / vpmaddwd); it is scaled by s (exact, a power of two)
+// integer codes is exact int32 arithmetic (vpdpwssd / vpmaddwd; the SIMD paths' lanes stay below 2^24, so their
+// conversion to fp32 is exact too, the scalar path's whole-block sum may round); it is scaled by s (a power of two)
 // and the weight's fp16 scale d, and added to fp32 lane accumulators in block order; the lanes are summed in
 // one fixed tree, then q4_1's minimum term (sum over blocks of m * the fp32 sum of x's block) and the bias.
 // Every output element is therefore one fixed sequence of operations on its own row of x and of W, whatever

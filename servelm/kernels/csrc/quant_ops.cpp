@@ -20,7 +20,8 @@ int64_t best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
     return __builtin_cpu_supports("avx512vnni") ? kAvx512Vnni : kAvx512;
   }
   if (avx2) return kAvx2;
