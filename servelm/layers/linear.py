@@ -38,6 +38,8 @@ def prepack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) by oneDNN; `packed` from `prepack_weight`, or a plain [out, in] fp32 weight, which
+    oneDNN reads where it lies (see logits.plain_onednn_linear)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -20,7 +20,7 @@ PLAIN_HEAD_MKL_ROWS = 2
 def plain_onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T by oneDNN reading the plain [out, in] fp32 weight where it lies (its brgemm matmul takes the
     row-major layout as it is: no reorder, no copy; checked with ONEDNN_VERBOSE=1)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+    return packed_linear(x, weight, None)
 
 
 class LogitsProcessor(nn.Module):
