@@ -1,7 +1,11 @@
-"""The embedded default model (SmolLM2-135M-Instruct, GGUF): greedy output equals transformers.
+"""The embedded default model (SmolLM2-135M-Instruct, GGUF): greedy output of the fp32 path equals transformers.
 
 The reference is transformers' LlamaForCausalLM built from the same GGUF tensors (our loader's output; the
 loader itself is checked tensor-for-tensor against transformers' own GGUF loading in test_model_loader.py).
+Token-exact equality is asked of `--quantization none` only (the weights dequantised to fp32, fp32
+arithmetic, as transformers). The default `auto` path keeps the file's Q4_1 blocks and rounds activations per
+block, which can flip a near tie (on an AMD EPYC, "List three prime numbers." at token 10: fp32's top two are
+0.0028 nats apart); its quality is measured against fp32 in test_quantized_quality.py instead.
 """
 
 from __future__ import annotations
@@ -21,11 +25,19 @@ def engine():
 
 
 @pytest.fixture(scope="module")
+def fp32_engine():
+    engine = Engine(max_total_tokens=4096, quantization="none")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
 def reference():
     return load_hf_baseline(None)
 
 
-def test_greedy_32_tokens_match_transformers(engine, reference) -> None:
+def test_greedy_32_tokens_match_transformers(fp32_engine, reference) -> None:
+    engine = fp32_engine
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
                for p in PROMPTS]

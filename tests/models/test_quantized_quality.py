@@ -1,10 +1,15 @@
 """Quality of quantised weights on the default model (SmolLM2-135M-Instruct, a Q4_1 GGUF), relative to the
-same model dequantised to fp32 (`--quantization none`):
+same model dequantised to fp32 (`--quantization none`), by the two figures every llama.cpp user's numbers are
+judged by (issue 20's bar; "the same greedy text as fp32" is not one: a near tie, 0.0028 nats on an AMD EPYC,
+flips with any change of rounding):
 
-* Q4_1 kept (`auto`): the greedy text of the default-model prompts equals fp32's for 16 tokens each;
 * perplexity on English prose (tests/data: Pride and Prejudice, chapters 1-2, Jane Austen 1813, public
-  domain) within 10% of fp32 with Q4_1 kept, within 2% with int8 (= q8_0 blocks, quantised at load from
-  the dequantised fp32 weights).
+  domain) within 1% of fp32's;
+* teacher-forced top-1 agreement with fp32 (the argmax after each prefix of the same text) of at least 97%.
+
+Both for Q4_1 kept (`auto`; the prompt is scored by a prefill, so 10+ rows: the fp32 tile path), Q4_1 kept on
+the int16-activation scheme that decode uses (deterministic mode keeps every row count on it), and int8
+(q8_0 blocks quantised at load from the dequantised fp32 weights).
 """
 
 from __future__ import annotations
@@ -19,26 +24,23 @@ from gguf import GGUFReader
 from servelm.entrypoints.engine import Engine
 from servelm.layers import batch_invariant
 from servelm.model_loader import default_model_path
-from tests.models.test_default_model import PROMPTS
 
 TEXT = Path(__file__).parent.parent / "data" / "pride_and_prejudice_ch1-2.txt"
 PPL_TOKENS = 1024
 
 
-def _measure(mode: str, greedy: bool, deterministic: bool = False) -> dict:
+def _measure(mode: str, deterministic: bool = False) -> dict:
     engine = Engine(quantization=mode, max_total_tokens=4096, enable_deterministic_inference=deterministic)
     try:
         tok = engine.tokenizer
         ids = tok.encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False)[:PPL_TOKENS]
-        out = engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 1, "prompt_logprobs": True})
+        out = engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 1, "prompt_logprobs": True,
+                                                                "prompt_top_logprobs": 1})
         logprobs = out[0]["prompt_logprobs"][1:]
-        result = {"ppl": math.exp(-sum(logprobs) / len(logprobs)), "info": engine.scheduler.model_info()}
-        if greedy:
-            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True) for p in PROMPTS]
-            params = {"max_new_tokens": 16, "ignore_eos": True, "temperature": 0}
-            result["greedy"] = [o["output_ids"] for o in engine.generate(prompts, params)]
-        return result
+        top1 = [t[0][0] for t in out[0]["prompt_top_logprobs"][1:]]  # argmax after each prefix
+        assert len(top1) == len(logprobs) == len(ids) - 1
+        return {"ppl": math.exp(-sum(logprobs) / len(logprobs)), "top1": top1,
+                "info": engine.scheduler.model_info()}
     finally:
         engine.shutdown()
         batch_invariant.set_batch_invariant(False)  # process-wide: never left on for later tests
@@ -48,8 +50,8 @@ def _measure(mode: str, greedy: bool, deterministic: bool = False) -> dict:
 def measured() -> dict[str, dict]:
     # The prompt is scored by a prefill: 10+ rows take the kernel's fp32 tile path, so "auto" measures that
     # one; deterministic mode keeps every row count on the int16-activation scheme that decode uses.
-    return {"none": _measure("none", greedy=True), "auto": _measure("auto", greedy=True),
-            "int8": _measure("int8", greedy=False), "auto_int16": _measure("auto", greedy=False, deterministic=True)}
+    return {"none": _measure("none"), "auto": _measure("auto"), "int8": _measure("int8"),
+            "auto_int16": _measure("auto", deterministic=True)}
 
 
 def test_formats_and_resident_bytes(measured) -> None:
@@ -64,13 +66,18 @@ def test_formats_and_resident_bytes(measured) -> None:
     assert measured["none"]["info"]["weight_bytes"] <= 1.1 * fp32_bytes
 
 
-def test_q4_1_kept_greedy_text_equals_fp32(measured) -> None:
-    for got, want in zip(measured["auto"]["greedy"], measured["none"]["greedy"], strict=True):
-        assert len(want) == 16 and got == want  # measured: equal (Q4_1 kept holds the very fp32 values)
+QUANTISED = ("int8", "auto", "auto_int16")
 
 
-@pytest.mark.parametrize(("mode", "tolerance"), [("int8", 0.02), ("auto", 0.10), ("auto_int16", 0.10)])
-def test_perplexity_close_to_fp32(measured, mode: str, tolerance: float) -> None:
+@pytest.mark.parametrize("mode", QUANTISED)
+def test_perplexity_within_1_percent_of_fp32(measured, mode: str) -> None:
     fp32, quantised = measured["none"]["ppl"], measured[mode]["ppl"]
     assert 1 < fp32 < 100  # natural English to a language model
-    assert abs(quantised / fp32 - 1) <= tolerance, (mode, quantised, fp32)
+    assert abs(quantised / fp32 - 1) <= 0.01, (mode, quantised, fp32)
+
+
+@pytest.mark.parametrize("mode", QUANTISED)
+def test_teacher_forced_top1_agrees_with_fp32(measured, mode: str) -> None:
+    want, got = measured["none"]["top1"], measured[mode]["top1"]
+    agree = sum(a == b for a, b in zip(got, want, strict=True)) / len(want)
+    assert agree >= 0.97, (mode, agree)
