@@ -1,18 +1,19 @@
-"""Quantised weights on CPU: ggml block formats (Q8_0, Q4_0, Q4_1) and the matmul over them.
+"""Quantised weights on CPU: ggml's 32-weight block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the matmul over them.
 
 A `QuantWeight` is one [N out, K in] matrix quantised by rows in blocks of 32 weights, kept in the
-layout the kernel reads: `qs` (the block payloads: int8 [N, KB, 32] for q8_0; uint8 [N, KB, 16]
-packed nibbles in ggml order for q4_*: element j in the low nibble of byte j, element j + 16 in the
-high one), `d` (fp16 [N, KB] block scales) and `m` (fp16 [N, KB] block minimums, q4_1 only).
-KB = ceil(K / 32); `quantize` zero-pads K to a multiple of 32.
+layout the kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a
+format): `qs` (the block payloads: int8 [N, KB, 32] for q8_0; uint8 [N, KB, 16] packed nibbles in ggml
+order for q4_* and q5_*: element j in the low nibble of byte j, element j + 16 in the high one), `d` (fp16
+[N, KB] block scales), `m` (fp16 [N, KB] block minimums, q4_1 and q5_1) and `qh` (int32 [N, KB], q5_*: bit j
+is the fifth bit of element j). KB = ceil(K / 32); `quantize` zero-pads K to a multiple of 32.
 
-Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * q + m` for
-q4_1, fp32 mul then add). `linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 /
-scalar, chosen at run time, built on first use, see `servelm.kernels.build`) or, where it cannot be built,
-the torch path: dequantise, then matmul. The kernel multiplies the weights' integer codes with x rounded
-per block of 32 to int16 codes on a power-of-two scale (llama.cpp's scheme with 16-bit instead of 8-bit
-activations: a relative error of ~2^-15 of the block's largest |x|, ~100x below fp32 vs Q4 weight error;
-see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumulation.
+Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
+`d * q + m` for q4_1 and q5_1, fp32 mul then add). `linear` runs the C++ kernel in `csrc/` (AVX-512 with or
+without VNNI / AVX2 / scalar, chosen at run time, built on first use, see `servelm.kernels.build`) or, where it
+cannot be built, the torch path: dequantise, then matmul. The kernel multiplies the weights' integer codes
+with x rounded per block of 32 to int16 codes on a power-of-two scale (llama.cpp's scheme with 16-bit instead
+of 8-bit activations: a relative error of ~2^-15 of the block's largest |x|, ~100x below fp32 vs Q4 weight
+error; see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumulation.
 """
 
 from __future__ import annotations
@@ -31,13 +32,37 @@ from gguf.quants import quantize as gguf_quantize
 
 from servelm.kernels import build
 
-FORMATS = ("q8_0", "q4_0", "q4_1")
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One row of the block-format registry: a ggml 32-weight block and how the kernel reads it."""
+
+    name: str
+    ggml: GGMLQuantizationType
+    code: int  # the C++ kernel's `Fmt` (csrc/quant_common.h)
+    payload: int  # bytes of codes per block (qs)
+    offset: int = 0  # value = d * (code - offset) (+ m)
+    has_min: bool = False  # an fp16 minimum after the scale
+    has_qh: bool = False  # a uint32 of fifth bits after the scales
+
+    @property
+    def header(self) -> int:
+        return 2 + 2 * self.has_min + 4 * self.has_qh
+
+    @property
+    def block_bytes(self) -> int:
+        return self.header + self.payload
+
+
+_REGISTRY = {f.name: f for f in (
+    BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 0, 32),
+    BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 1, 16, offset=8),
+    BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 2, 16, has_min=True),
+    BlockFormat("q5_0", GGMLQuantizationType.Q5_0, 3, 16, offset=16, has_qh=True),
+    BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 4, 16, has_min=True, has_qh=True),
+)}
+FORMATS = tuple(_REGISTRY)
 BLOCK = 32
-_GGML_TYPE = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
-              "q4_1": GGMLQuantizationType.Q4_1}
-# bytes of one ggml block: fp16 scale (+ fp16 min for q4_1) then the payload
-_HEADER = {"q8_0": 2, "q4_0": 2, "q4_1": 4}
-_PAYLOAD = {"q8_0": 32, "q4_0": 16, "q4_1": 16}
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
 TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512", "avx512_vnni" or "torch": one path (tests, benchmarks)
@@ -52,25 +77,39 @@ class QuantWeight:
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    qh: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Resident bytes of the tensors."""
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(qs, d, m, qh): the row-indexed fields, in one order for the row and column operations."""
+        return self.qs, self.d, self.m, self.qh
+
+    def replace(self, fn, shape: tuple[int, int]) -> QuantWeight:
+        """The same format with `fn` applied to each present field."""
+        qs, d, m, qh = (None if t is None else fn(t) for t in self.tensors())
+        return QuantWeight(self.fmt, shape, qs, d, m, qh)
 
     @property
     def blocks(self) -> int:
         return self.qs.shape[1]
 
 
-def _check_fmt(fmt: str) -> None:
-    if fmt not in FORMATS:
+def block_format(fmt: str) -> BlockFormat:
+    if fmt not in _REGISTRY:
         raise ValueError(f"unknown quantisation format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    return _REGISTRY[fmt]
+
+
+def _check_fmt(fmt: str) -> None:
+    block_format(fmt)
 
 
 def bytes_per_block(fmt: str) -> int:
-    _check_fmt(fmt)
-    return _HEADER[fmt] + _PAYLOAD[fmt]
+    return block_format(fmt).block_bytes
 
 
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
@@ -90,12 +129,14 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     def field(lo: int, hi: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:hi]))
 
+    f = block_format(fmt)
     d = field(0, 2).view(torch.float16).view(n, kb)
-    m = field(2, 4).view(torch.float16).view(n, kb) if fmt == "q4_1" else None
-    qs = field(_HEADER[fmt], bpb)
+    m = field(2, 4).view(torch.float16).view(n, kb) if f.has_min else None
+    qh = field(f.header - 4, f.header).view(torch.int32).view(n, kb) if f.has_qh else None
+    qs = field(f.header, bpb)
     if fmt == "q8_0":
         qs = qs.view(torch.int8)
-    return QuantWeight(fmt, (n, k), qs, d, m)
+    return QuantWeight(fmt, (n, k), qs, d, m, qh)
 
 
 # k-quant GGUF types kept as blocks the kernel reads: Q4_K repacked as q4_1 (each 32-weight sub-block's
@@ -145,6 +186,8 @@ def to_gguf(qw: QuantWeight) -> np.ndarray:
     parts = [qw.d.view(torch.uint8).view(n, kb, 2)]
     if qw.m is not None:
         parts.append(qw.m.view(torch.uint8).view(n, kb, 2))
+    if qw.qh is not None:
+        parts.append(qw.qh.view(torch.uint8).view(n, kb, 4))
     parts.append(qw.qs.view(torch.uint8))
     return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
 
@@ -161,24 +204,28 @@ def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
     w32 = w.detach().to(torch.float32)
     if k % BLOCK:
         w32 = F.pad(w32, (0, BLOCK - k % BLOCK))
-    raw = gguf_quantize(w32.contiguous().numpy(), _GGML_TYPE[fmt])
+    raw = gguf_quantize(w32.contiguous().numpy(), block_format(fmt).ggml)
     return from_gguf(raw, fmt, (n, k))
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
 
 
 def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included."""
-    qs, d, m = qw.qs, qw.d, qw.m
+    qs, d, m, qh = qw.tensors()
     if rows is not None:
-        qs, d = qs[rows], d[rows]
-        m = m[rows] if m is not None else None
+        qs, d, m, qh = (None if t is None else t[rows] for t in (qs, d, m, qh))
+    f = block_format(qw.fmt)
     if qw.fmt == "q8_0":
         vals = qs.to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
     else:
-        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
-        if qw.fmt == "q4_0":
-            vals = (q.to(torch.int8) - 8).to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
-        else:
-            vals = q.to(torch.float32) * d.to(torch.float32).unsqueeze(-1) + m.to(torch.float32).unsqueeze(-1)
+        q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
+        if qh is not None:  # the fifth bits: bit j of qh is element j's
+            q = q | (((qh.unsqueeze(-1) >> _BITS) & 1) << 4)
+        vals = (q - f.offset).to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
+        if m is not None:
+            vals = vals + m.to(torch.float32).unsqueeze(-1)
     return vals.reshape(*vals.shape[:-2], -1)
 
 
@@ -195,7 +242,6 @@ def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
 
 
 _ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni")
-_FMT_CODE = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _backend: str | None = None  # resolved once (see kernel_backend); force_backend() changes it
 
 
@@ -271,7 +317,7 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
         bias = bias.to(torch.float32).contiguous()
     ops = torch.ops.servelm_quant
     op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS else ops.linear_tiles
-    y = op.default(x2, qw.qs, qw.d, qw.m, _FMT_CODE[qw.fmt], bias, _ISA_NAMES.index(backend))
+    y = op.default(x2, qw.qs, qw.d, qw.m, qw.qh, _REGISTRY[qw.fmt].code, bias, _ISA_NAMES.index(backend))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
@@ -280,9 +326,7 @@ def narrow_rows(qw: QuantWeight, start: int, length: int) -> QuantWeight:
     n = qw.shape[0]
     if start < 0 or length < 0 or start + length > n:
         raise ValueError(f"narrow_rows: [{start}, {start + length}) is outside the {n} rows")
-    m = qw.m[start: start + length].contiguous() if qw.m is not None else None
-    return QuantWeight(qw.fmt, (length, qw.shape[1]), qw.qs[start: start + length].contiguous(),
-                       qw.d[start: start + length].contiguous(), m)
+    return qw.replace(lambda t: t[start: start + length].contiguous(), (length, qw.shape[1]))
 
 
 def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
@@ -295,9 +339,7 @@ def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
         raise ValueError(f"narrow_cols: start ({start}) and length ({length}) must be multiples of {BLOCK}, "
                          f"the {qw.fmt} block size")
     b0, nb = start // BLOCK, -(-length // BLOCK)
-    m = qw.m[:, b0: b0 + nb].contiguous() if qw.m is not None else None
-    return QuantWeight(qw.fmt, (qw.shape[0], length), qw.qs[:, b0: b0 + nb].contiguous(),
-                       qw.d[:, b0: b0 + nb].contiguous(), m)
+    return qw.replace(lambda t: t[:, b0: b0 + nb].contiguous(), (qw.shape[0], length))
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -308,9 +350,9 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     for p in parts:
         if p.fmt != fmt or p.shape[1] != k:
             raise ValueError(f"cat_rows: parts differ ({p.fmt}, K={p.shape[1]} vs {fmt}, K={k})")
-    m = torch.cat([p.m for p in parts]) if fmt == "q4_1" else None
-    return QuantWeight(fmt, (sum(p.shape[0] for p in parts), k), torch.cat([p.qs for p in parts]),
-                       torch.cat([p.d for p in parts]), m)
+    fields = [None if parts[0].tensors()[i] is None else torch.cat([p.tensors()[i] for p in parts])
+              for i in range(4)]
+    return QuantWeight(fmt, (sum(p.shape[0] for p in parts), k), *fields)
 
 
 def permute_rows(qw: QuantWeight, index: torch.Tensor) -> QuantWeight:
@@ -318,5 +360,4 @@ def permute_rows(qw: QuantWeight, index: torch.Tensor) -> QuantWeight:
     index = index.to(torch.long)
     if index.dim() != 1 or index.numel() != qw.shape[0]:
         raise ValueError(f"permute_rows: index must be 1-D with {qw.shape[0]} entries, got {tuple(index.shape)}")
-    m = qw.m.index_select(0, index) if qw.m is not None else None
-    return QuantWeight(qw.fmt, qw.shape, qw.qs.index_select(0, index), qw.d.index_select(0, index), m)
+    return qw.replace(lambda t: t.index_select(0, index), qw.shape)

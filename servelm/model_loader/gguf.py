@@ -215,6 +215,7 @@ class GGUFModelSource(ModelSource):
         """
         assert self.reader is not None
         tensors = {t.name: t for t in self.reader.tensors}
+        widened: dict[str, list[int]] = {}  # ggml type -> [matrices, fp32 bytes] of 2-D tensors not kept
         for gguf_name, hf_name in self.name_map:
             t = tensors[gguf_name]
             # GGUF shapes are in ggml `ne` order (fastest dim first): reversed relative to torch.
@@ -231,6 +232,10 @@ class GGUFModelSource(ModelSource):
                     qw = quant.permute_rows(qw, torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
                 yield hf_name, qw
                 continue
+            if keep_formats and len(shape) == 2:
+                cost = widened.setdefault(t.tensor_type.name, [0, 0])
+                cost[0] += 1
+                cost[1] += 4 * int(np.prod(shape))
             arr = dequantize(t.data, t.tensor_type).reshape(shape)
             if heads:
                 arr = unpermute_qk(arr, heads)
@@ -239,6 +244,9 @@ class GGUFModelSource(ModelSource):
                 arr = arr.copy()
             tensor = torch.from_numpy(np.ascontiguousarray(arr))
             yield hf_name, tensor.to(dtype).contiguous()
+        for type_name, (count, nbytes) in widened.items():
+            logger.info("GGUF tensor type %s is not kept at its own bits: %d matri%s dequantised to fp32 (%.1f MB)",
+                        type_name, count, "x" if count == 1 else "ces", nbytes / 1e6)
 
     def _permuted_heads(self, gguf_name: str) -> int:
         """The head count whose q/k row permutation llama.cpp applied to this tensor (0: not permuted)."""

@@ -1,15 +1,15 @@
 """`--quantization`: which weights stay (or become) ggml blocks (`servelm.kernels.quant`), which are fp32.
 
-* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1) as it is in the file,
-  without an fp32 round trip; Q4_K is repacked as q4_1 blocks (fp16 sub-block scales) and Q6_K requantised
-  to q8_0 (see `quant.K_FORMATS`); other types (F16, Q5_*, Q2_K, Q3_K, Q5_K, ...) are dequantised to fp32 as
-  with `none`. A HF folder stays fp32.
+* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) as it is in
+  the file, without an fp32 round trip; Q4_K is repacked as q4_1 blocks (fp16 sub-block scales) and Q6_K
+  requantised to q8_0 (see `quant.K_FORMATS`); other types (F16, Q2_K, Q3_K, Q5_K, ...) are dequantised to
+  fp32 as with `none`, with one log line per type saying what that costs. A HF folder stays fp32.
 * none: everything computes in fp32 from the dequantised weights (the behaviour before quantised kernels).
   One exception in storage, not in values: a GGUF's tied embedding in a kernel format (`lookup_formats`)
   keeps its blocks for the lookup, whose rows dequantise to bitwise the fp32 values `none` held before, while
   the LM head gets the fp32 matrix pre-packed for oneDNN; the embedding is then held as blocks (0.14-0.27x
   fp32) plus one packed fp32 copy, not as a plain and a packed fp32 copy (issue 13).
-* int8, q8_0, q4_0, q4_1: every 2-D weight (the linears, the embedding, the LM head) becomes blocks of that
+* int8, q8_0, q4_0, q4_1, q5_0, q5_1: every 2-D weight (the linears, the embedding, the LM head) becomes blocks of that
   format at load; a GGUF tensor already in it is kept as it is, any other is dequantised, then quantised.
   int8 is q8_0: weight-only int8 in groups of 32 with an fp16 scale each.
 
@@ -30,7 +30,7 @@ from servelm.kernels import quant
 
 logger = logging.getLogger(__name__)
 
-_TARGET = {"int8": "q8_0", "q8_0": "q8_0", "q4_0": "q4_0", "q4_1": "q4_1"}
+_TARGET = {"int8": "q8_0", **{fmt: fmt for fmt in quant.FORMATS}}
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from servelm.kernels import build, quant
 
-GGML = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0, "q4_1": GGMLQuantizationType.Q4_1}
+GGML = {fmt: quant.block_format(fmt).ggml for fmt in quant.FORMATS}
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
 
 

@@ -31,9 +31,9 @@ def fake_tp(monkeypatch: pytest.MonkeyPatch):
     return set_rank
 
 
-def _load(layer, tensors: list[torch.Tensor], fmt: str | None) -> None:
+def _load(layer, tensors: list[torch.Tensor], fmt: str | None, ref: str = "q4_1") -> None:
     for shard_id, t in enumerate(tensors):
-        loaded = quant.quantize(t, fmt) if fmt else quant.dequantize(quant.quantize(t, "q4_1"))
+        loaded = quant.quantize(t, fmt) if fmt else quant.dequantize(quant.quantize(t, ref))
         layer.weight_loader(layer.weight, loaded, shard_id if len(tensors) > 1 else None)
     if hasattr(layer, "finish_loading"):
         layer.finish_loading()
@@ -51,9 +51,10 @@ LAYERS = {
 }
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q5_0"])  # q5_0: the qh words split with their blocks
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("kind", list(LAYERS))
-def test_quantized_shard_equals_fp32_shard(fake_tp, kind: str, tp: int) -> None:
+def test_quantized_shard_equals_fp32_shard(fake_tp, kind: str, tp: int, fmt: str) -> None:
     """Rows (column-parallel, q/k/v with KV heads replicated at tp 4, vocab padded to a multiple of tp) and
     whole blocks of columns (row-parallel): the kept blocks are exactly this rank's fp32 shard."""
     make, shapes = LAYERS[kind]
@@ -62,9 +63,9 @@ def test_quantized_shard_equals_fp32_shard(fake_tp, kind: str, tp: int) -> None:
     for rank in range(tp):
         fake_tp(rank, tp)
         fp32, kept = make(), make()
-        _load(fp32, full, None)
-        _load(kept, full, "q4_1")
-        assert kept.weight is None and kept.qweight.fmt == "q4_1"  # one copy: the blocks
+        _load(fp32, full, None, ref=fmt)
+        _load(kept, full, fmt)
+        assert kept.weight is None and kept.qweight.fmt == fmt  # one copy: the blocks
         assert torch.equal(_weight(kept), fp32.weight.data), (kind, rank)
 
 
@@ -125,7 +126,7 @@ def test_prepack_frees_the_plain_weight() -> None:
     torch.testing.assert_close(layer(x), expected)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_blocks_kept_equal_the_dequantised_weights(tmp_path: Path, fmt: str, tiny_llama) -> None:
     """Raw blocks straight from the file (q/k rows un-permuted) hold exactly the dequantised fp32 weights."""
     _, model = tiny_llama
@@ -198,6 +199,8 @@ def test_deterministic_mode_rows_do_not_depend_on_the_batch(backend: str | None)
     ("LlamaForCausalLM", "llama", "Q4_0", {"tie_word_embeddings": False}),  # untied LM head: its own blocks
     ("Qwen2ForCausalLM", "qwen2", "Q8_0", {"tie_word_embeddings": True}),  # q/k/v bias next to the blocks
     ("Qwen3ForCausalLM", "qwen3", "Q4_1", {"head_dim": 16, "tie_word_embeddings": False}),
+    ("Qwen2ForCausalLM", "qwen2", "Q5_0", {"tie_word_embeddings": True}),  # what a small Qwen's Q4_K_M mostly is
+    ("LlamaForCausalLM", "llama", "Q5_1", {"tie_word_embeddings": False}),
 ])
 def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, arch: str, gguf_arch: str, fmt: str,
                                                     extra: dict) -> None:

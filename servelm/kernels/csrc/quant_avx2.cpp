@@ -52,6 +52,14 @@ static inline float min_term(const float* mrow, const float* xsum, int64_t kb) {
   return hsum8(acc);
 }
 
+// 16 bits -> 16 words: 16 where the bit is set, else 0.
+static inline __m256i fifth_bits(uint32_t bits16) {
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                        static_cast<int16_t>(0x8000));
+  const __m256i v = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits16)), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi16(v, bit), _mm256_set1_epi16(16));
+}
+
 template <Fmt F, int NR, int R>
 static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* dn, const float* mn, int64_t ld,
                   const float* bias, float* y) {
@@ -60,11 +68,11 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
   for (int j = 0; j < NR; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi16(0x0f);
-  const __m256i eight = _mm256_set1_epi16(8);
+  const __m256i offset = _mm256_set1_epi16(Traits<F>::offset);
   for (int64_t b = 0; b < kb; ++b) {
     __m256i wa[NR], wb[NR];  // k 0..15 and 16..31 of block b as words
     for (int j = 0; j < NR; ++j) {
-      if (n + j + kAhead < w.N) prefetch(w.qs + ((n + j + kAhead) * kb + b) * (F == Q8_0 ? 32 : 16));
+      if (n + j + kAhead < w.N) prefetch(w.qs + ((n + j + kAhead) * kb + b) * Traits<F>::payload);
       if constexpr (F == Q8_0) {
         const uint8_t* p = w.qs + ((n + j) * kb + b) * 32;
         wa[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -74,9 +82,14 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16)));
         wa[j] = _mm256_and_si256(v, low4);
         wb[j] = _mm256_srli_epi16(v, 4);
-        if constexpr (F == Q4_0) {
-          wa[j] = _mm256_sub_epi16(wa[j], eight);
-          wb[j] = _mm256_sub_epi16(wb[j], eight);
+        if constexpr (Traits<F>::has_qh) {  // fifth bits 0..15 go to wa's words, 16..31 to wb's
+          const uint32_t h = w.qh[(n + j) * kb + b];
+          wa[j] = _mm256_or_si256(wa[j], fifth_bits(h & 0xFFFFu));
+          wb[j] = _mm256_or_si256(wb[j], fifth_bits(h >> 16));
+        }
+        if constexpr (Traits<F>::offset != 0) {
+          wa[j] = _mm256_sub_epi16(wa[j], offset);
+          wb[j] = _mm256_sub_epi16(wb[j], offset);
         }
       }
     }
@@ -95,7 +108,7 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) {
       float v = hsum8(acc[j][r]);
-      if constexpr (F == Q4_1) v += min_term(mn + j * ld, x.xsum + (i0 + r) * x.ss, kb);
+      if constexpr (Traits<F>::has_min) v += min_term(mn + j * ld, x.xsum + (i0 + r) * x.ss, kb);
       y[(i0 + r) * w.N + n + j] = bias ? v + bias[n + j] : v;
     }
 }
@@ -122,11 +135,13 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
     if (n + kAhead < w.N)
       for (int64_t c = 0; c < kNr * w.KB * 2; c += 64) {
         prefetch(reinterpret_cast<const char*>(w.d + (n + kAhead) * w.KB) + c);
-        if (F == Q4_1) prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
+        if (Traits<F>::has_min) prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
+        if (Traits<F>::has_qh)
+          for (int64_t h = 0; h < 128; h += 64) prefetch(reinterpret_cast<const char*>(w.qh + (n + kAhead) * w.KB) + 2 * c + h);
       }
     for (int j = 0; j < nr; ++j) {
       row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
-      if (F == Q4_1) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
+      if (Traits<F>::has_min) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
     }
     for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
       const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));
@@ -142,11 +157,7 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
 }  // namespace avx2
 
 void gemm_avx2(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
-  switch (w.fmt) {
-    case Q8_0: avx2::gemm<Q8_0>(x, w, bias, y, n0, n1); break;
-    case Q4_0: avx2::gemm<Q4_0>(x, w, bias, y, n0, n1); break;
-    default: avx2::gemm<Q4_1>(x, w, bias, y, n0, n1); break;
-  }
+  dispatch_fmt(w.fmt, [&](auto f) { avx2::gemm<decltype(f)::value>(x, w, bias, y, n0, n1); });
 }
 
 }  // namespace servelm_quant

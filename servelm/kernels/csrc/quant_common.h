@@ -11,25 +11,68 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace servelm_quant {
 
-enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+// The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
+enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
+constexpr int64_t kNumFmts = 5;
 constexpr int64_t kBlock = 32;
 
-// One [N, KB * 32] quantised weight: qs (q8_0: int8 [N, KB, 32]; q4_*: uint8 [N, KB, 16], element j in the low
-// nibble of byte j, element j + 16 in the high one), d and m (fp16 bits [N, KB]; m only for q4_1).
+// One row of the format table: how a block's integer codes become values, value = d * (code - offset) (+ m).
+// q8_0's codes are the signed bytes; the others' are the nibbles of qs, plus (q5_*) a fifth bit from qh.
+template <Fmt F>
+struct Traits {
+  static constexpr bool nibbles = F != Q8_0;        // qs holds 16 bytes of nibble pairs, not 32 int8
+  static constexpr bool has_min = F == Q4_1 || F == Q5_1;
+  static constexpr bool has_qh = F == Q5_0 || F == Q5_1;
+  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : 0;
+  static constexpr int payload = nibbles ? 16 : 32;  // bytes of qs per block
+};
+
+// Run-time view of the same table (the scalar paths and argument checks).
+inline bool fmt_has_min(Fmt f) { return f == Q4_1 || f == Q5_1; }
+inline bool fmt_has_qh(Fmt f) { return f == Q5_0 || f == Q5_1; }
+inline int fmt_offset(Fmt f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : 0; }
+inline int fmt_payload(Fmt f) { return f == Q8_0 ? 32 : 16; }
+
+// Calls fn(std::integral_constant<Fmt, F>{}) for the run-time format f: the drivers are written once over it.
+template <typename Fn>
+inline void dispatch_fmt(Fmt f, Fn&& fn) {
+  switch (f) {
+    case Q8_0: fn(std::integral_constant<Fmt, Q8_0>{}); break;
+    case Q4_0: fn(std::integral_constant<Fmt, Q4_0>{}); break;
+    case Q4_1: fn(std::integral_constant<Fmt, Q4_1>{}); break;
+    case Q5_0: fn(std::integral_constant<Fmt, Q5_0>{}); break;
+    default: fn(std::integral_constant<Fmt, Q5_1>{}); break;
+  }
+}
+
+// One [N, KB * 32] quantised weight: qs (q8_0: int8 [N, KB, 32]; q4_*, q5_*: uint8 [N, KB, 16], element j in
+// the low nibble of byte j, element j + 16 in the high one), d and m (fp16 bits [N, KB]; m only for q4_1 and
+// q5_1), qh (uint32 [N, KB], q5_* only: bit j is the fifth bit of element j's code).
 struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;
+  const uint32_t* qh;
   int64_t N;
   int64_t KB;
   Fmt fmt;
 };
 
+// The integer code of element k (0..31) of block b of row n (the scalar reference of every path).
+inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
+  if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
+  const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
+  int q = k < 16 ? (byte & 15) : (byte >> 4);
+  if (w.qh) q |= static_cast<int>((w.qh[n * w.KB + b] >> k) & 1u) << 4;
+  return q - fmt_offset(w.fmt);
+}
+
 // x prepared for one ISA: int16 codes [M][KBp * 32] in that ISA's layout, block scales s [M][KBp] (padding
-// blocks: 0), fp32 block sums [M][KBp] (q4_1 only), and for the AVX-512 q4 layout the scales of each pair of
+// blocks: 0), fp32 block sums [M][KBp] (formats with a minimum only), and for the AVX-512 q4 layout the scales of each pair of
 // blocks spread over 16 lanes, [M][KBp / 2][16] (all three with the row stride `ss`).
 struct XQ {
   const int16_t* q;

@@ -97,32 +97,40 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
 
 // The weight view after checking the op's arguments.
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                int64_t fmt, const std::optional<at::Tensor>& bias, const float** bp) {
+                const std::optional<at::Tensor>& qh, int64_t fmt, const std::optional<at::Tensor>& bias,
+                const float** bp) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
-  TORCH_CHECK(fmt >= Q8_0 && fmt <= Q4_1, "unknown format ", fmt);
+  TORCH_CHECK(fmt >= 0 && fmt < kNumFmts, "unknown format ", fmt);
+  const Fmt f = static_cast<Fmt>(fmt);
   TORCH_CHECK(qs.dim() == 3, "qs: [N, KB, payload]");
   const int64_t N = qs.size(0), KB = qs.size(1);
   TORCH_CHECK(x.size(1) == KB * kBlock, "x has ", x.size(1), " columns, the weight ", KB * kBlock);
-  TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(2) == (fmt == Q8_0 ? 32 : 16), "qs layout");
+  TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(2) == fmt_payload(f), "qs layout");
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N && d.size(1) == KB,
               "d layout");
   const bool has_m = m.has_value() && m->defined();
-  TORCH_CHECK(has_m == (fmt == Q4_1), "m is given exactly for q4_1");
+  TORCH_CHECK(has_m == fmt_has_min(f), "m is given exactly for the formats with a minimum");
   if (has_m) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
+  const bool has_qh = qh.has_value() && qh->defined();
+  TORCH_CHECK(has_qh == fmt_has_qh(f), "qh is given exactly for the q5 formats");
+  if (has_qh)
+    TORCH_CHECK(qh->is_contiguous() && qh->scalar_type() == at::kInt && qh->sizes() == d.sizes(), "qh layout");
   *bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
     *bp = bias->data_ptr<float>();
   }
   return QWeight{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                 has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, N, KB, static_cast<Fmt>(fmt)};
+                 has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
+                 has_qh ? reinterpret_cast<const uint32_t*>(qh->data_ptr()) : nullptr, N, KB, f};
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                  int64_t fmt, const std::optional<at::Tensor>& bias, int64_t isa) {
+                  const std::optional<at::Tensor>& qh, int64_t fmt, const std::optional<at::Tensor>& bias,
+                  int64_t isa) {
   const float* bp;
-  const QWeight w = checked(x, qs, d, m, fmt, bias, &bp);
+  const QWeight w = checked(x, qs, d, m, qh, fmt, bias, &bp);
   const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -163,10 +171,10 @@ int64_t rows_per_tile(int64_t N, int64_t kp, int64_t isa) {
 }
 
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                        const std::optional<at::Tensor>& m, int64_t fmt, const std::optional<at::Tensor>& bias,
-                        int64_t isa) {
+                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh, int64_t fmt,
+                        const std::optional<at::Tensor>& bias, int64_t isa) {
   const float* bp;
-  const QWeight w = checked(x, qs, d, m, fmt, bias, &bp);
+  const QWeight w = checked(x, qs, d, m, qh, fmt, bias, &bp);
   TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "servelm_quant: ISA level ", isa, " is not available here");
   const int64_t N = w.N, M = x.size(0), kp = w.KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -192,8 +200,8 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 
 TORCH_LIBRARY(servelm_quant, lib) {
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
-  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, int fmt, Tensor? bias, int isa) -> Tensor",
+  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, int fmt, Tensor? bias, int isa) -> Tensor",
           &servelm_quant::linear);
-  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, int fmt, Tensor? bias, int isa) -> Tensor",
+  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, int fmt, Tensor? bias, int isa) -> Tensor",
           &servelm_quant::linear_tiles);
 }

@@ -9,18 +9,11 @@ float row_dot(const XQ& x, int64_t i, const QWeight& w, int64_t n) {
   const int64_t kb = w.KB;
   const int16_t* xq = x.q + i * x.KBp * kBlock;
   const float* s = x.s + i * x.ss;
-  const int off = w.fmt == Q4_0 ? 8 : 0;
   float acc = 0.0f, msum = 0.0f;
   for (int64_t b = 0; b < kb; ++b) {
     const int16_t* xb = xq + b * kBlock;
     int32_t dot = 0;
-    if (w.fmt == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n * kb + b) * 32;
-      for (int k = 0; k < 32; ++k) dot += static_cast<int32_t>(q[k]) * xb[k];
-    } else {
-      const uint8_t* q = w.qs + (n * kb + b) * 16;
-      for (int j = 0; j < 16; ++j) dot += ((q[j] & 15) - off) * xb[j] + ((q[j] >> 4) - off) * xb[j + 16];
-    }
+    for (int k = 0; k < 32; ++k) dot += code_at(w, n, b, k) * xb[k];
     acc += static_cast<float>(dot) * s[b] * half_to_float(w.d[n * kb + b]);
     if (w.m) msum += half_to_float(w.m[n * kb + b]) * x.xsum[i * x.ss + b];
   }

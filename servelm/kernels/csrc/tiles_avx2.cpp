@@ -35,12 +35,21 @@ static inline void store16(__m128i q, bool is_signed, __m256 dv, const __m256* m
   _mm256_storeu_ps(o + 8, fb);
 }
 
+// 16 bits -> 16 bytes: 16 where the bit is set, else 0 (q5's fifth bits).
+static inline __m128i fifth_bits(uint32_t bits16) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits16)),
+                                          _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
+}
+
 static void dequant_row(const QWeight& w, int64_t n, float* out) {
   const int64_t kb = w.KB;
   const uint16_t* d = w.d + n * kb;
   const uint16_t* m = w.m ? w.m + n * kb : nullptr;
   const __m128i low4 = _mm_set1_epi8(0x0f);
   const __m128i eight = _mm_set1_epi8(8);
+  const __m128i sixteen = _mm_set1_epi8(16);
   alignas(32) float ds[8], ms[8];
   for (int64_t c = 0; c < kb; c += 8) {
     const int64_t cnt = std::min<int64_t>(8, kb - c);
@@ -57,11 +66,17 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
         continue;
       }
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
-      const __m128i lo = _mm_and_si128(raw, low4);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-      if (w.fmt == Q4_0) {
-        store16(_mm_sub_epi8(lo, eight), true, dv, nullptr, o);
-        store16(_mm_sub_epi8(hi, eight), true, dv, nullptr, o + 16);
+      __m128i lo = _mm_and_si128(raw, low4);
+      __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+      if (w.qh) {
+        const uint32_t h = w.qh[n * kb + b];
+        lo = _mm_or_si128(lo, fifth_bits(h & 0xFFFFu));
+        hi = _mm_or_si128(hi, fifth_bits(h >> 16));
+      }
+      if (w.fmt == Q4_0 || w.fmt == Q5_0) {
+        const __m128i off = w.fmt == Q4_0 ? eight : sixteen;
+        store16(_mm_sub_epi8(lo, off), true, dv, nullptr, o);
+        store16(_mm_sub_epi8(hi, off), true, dv, nullptr, o + 16);
       } else {
         const __m256 mv = _mm256_set1_ps(ms[i]);
         store16(lo, false, dv, &mv, o);

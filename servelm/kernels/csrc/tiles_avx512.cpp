@@ -52,7 +52,7 @@ static inline void regroup16(const uint8_t* p, int64_t stride, __m512i out[4]) {
 // The 16 rows of group g, block b, bytes [16 * half, 16 * half + 16) of the payload, regrouped (rows past N
 // read as zeros).
 static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, int half, __m512i out[4]) {
-  const int64_t payload = w.fmt == Q8_0 ? 32 : 16;
+  const int64_t payload = fmt_payload(w.fmt);
   const int64_t stride = w.KB * payload;
   const int64_t n0 = t0 + g * 16;
   const uint8_t* p = w.qs + n0 * stride + b * payload + half * 16;
@@ -64,6 +64,34 @@ static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, i
   for (int64_t i = 0; i < w.N - n0; ++i) std::memcpy(rows + i * 16, p + i * stride, 16);
   regroup16(rows, 16, out);
 }
+
+// The qh words of the 16 rows of group g, block b (q5; zeros for the other formats and rows past N).
+static inline __m512i group_qh(const QWeight& w, int64_t t0, int g, int64_t b) {
+  if (!w.qh) return _mm512_setzero_si512();
+  alignas(64) uint32_t h[16] = {0};
+  const int64_t n0 = t0 + g * 16;
+  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = w.qh[(n0 + i) * w.KB + b];
+  return _mm512_load_si512(h);
+}
+
+// A nibble (the low 4 bits of each lane of `v`; higher bits are ignored), plus the fifth bit k of `qh` for q5,
+// -> its code as a float: (code - offset), exact. vpermps reads the low 4 bits of each index lane; the q5
+// formats' 32 codes take the two-table vpermt2ps, which reads 5.
+struct CodeTable {
+  __m512 lo, hi;
+  bool five;
+  explicit CodeTable(Fmt f) : five(fmt_has_qh(f)) {
+    lo = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                       _mm512_set1_ps(static_cast<float>(fmt_offset(f))));
+    hi = _mm512_add_ps(lo, _mm512_set1_ps(16.0f));
+  }
+  __m512 lookup(__m512i v, __m512i qh, int k) const {
+    if (!five) return _mm512_permutexvar_ps(v, lo);
+    const __m512i bit = _mm512_and_si512(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(k)), _mm512_set1_epi32(1));
+    const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_slli_epi32(bit, 4));
+    return _mm512_permutex2var_ps(lo, idx, hi);
+  }
+};
 
 // Per tile: fp32 scales (and mins) transposed to [block][64 rows]; rows past N get zeros.
 struct TileScales {
@@ -94,13 +122,12 @@ static inline void store_ps(float* o, __m512i q, __m512 dv, const __m512* mv) {
 
 // Block b of the tile's rows, dequantised into out[k][64] (k = 0..31 of the block, row stride kTile).
 static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileScales& sc, float* out) {
-  const int payload = w.fmt == Q8_0 ? 32 : 16;
-  // nibble -> its float (q4_1) or (nibble - 8) (q4_0): vpermps reads the low 4 bits of each index lane
-  const __m512 table = w.fmt == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int payload = fmt_payload(w.fmt);
+  const CodeTable table(w.fmt);
   for (int g = 0; g < kGroups; ++g) {
     const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
     const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
+    const __m512i qh = group_qh(w, t0, g, b);
     float* o = out + g * 16;
     for (int half = 0; half < payload / 16; ++half) {
       __m512i cols[4];
@@ -114,7 +141,7 @@ static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileSca
           continue;
         }
         for (int nib = 0; nib < 2; ++nib) {
-          const __m512 q = _mm512_permutexvar_ps(_mm512_srl_epi32(v, _mm_cvtsi32_si128(s + 4 * nib)), table);
+          const __m512 q = table.lookup(_mm512_srl_epi32(v, _mm_cvtsi32_si128(s + 4 * nib)), qh, j + 16 * nib);
           const __m512 f = _mm512_mul_ps(q, dv);
           _mm512_storeu_ps(o + (j + 16 * nib) * kTile, w.m ? _mm512_add_ps(f, mv) : f);
         }
@@ -157,11 +184,11 @@ static inline void store_rows(__m512 (&acc)[R][4], float* y, int64_t ldy, const 
 template <int R>
 static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, const TileScales& sc, const float* x,
                                int64_t kp, __m512 (&acc)[R]) {
-  const int payload = w.fmt == Q8_0 ? 32 : 16;
-  const __m512 table = w.fmt == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                     : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int payload = fmt_payload(w.fmt);
+  const CodeTable table(w.fmt);
   const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
   const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
+  const __m512i qh = group_qh(w, t0, g, b);
   for (int half = 0; half < payload / 16; ++half) {
     __m512i cols[4];
     group_bytes(w, t0, g, b, half, cols);
@@ -174,7 +201,7 @@ static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, c
           const __m512i q = _mm512_srai_epi32(_mm512_sll_epi32(cols[j / 4], _mm_cvtsi32_si128(24 - s)), 24);
           wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
         } else {
-          const __m512 q = _mm512_permutexvar_ps(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), table);
+          const __m512 q = table.lookup(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), qh, j + 16 * nib);
           wv = _mm512_mul_ps(q, dv);
           if (w.m) wv = _mm512_add_ps(wv, mv);
         }

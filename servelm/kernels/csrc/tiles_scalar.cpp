@@ -13,23 +13,11 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
   const int64_t kb = w.KB;
   for (int64_t b = 0; b < kb; ++b) {
     const float d = half_to_float(w.d[n * kb + b]);
+    const float m = w.m ? half_to_float(w.m[n * kb + b]) : 0.0f;
     float* o = out + b * kBlock;
-    if (w.fmt == Q8_0) {
-      const int8_t* q = reinterpret_cast<const int8_t*>(w.qs) + (n * kb + b) * 32;
-      for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(q[j]) * d;
-      continue;
-    }
-    const uint8_t* q = w.qs + (n * kb + b) * 16;
-    const float m = w.fmt == Q4_1 ? half_to_float(w.m[n * kb + b]) : 0.0f;
-    for (int j = 0; j < 16; ++j) {
-      const int lo = q[j] & 0x0f, hi = q[j] >> 4;
-      if (w.fmt == Q4_0) {
-        o[j] = static_cast<float>(lo - 8) * d;
-        o[j + 16] = static_cast<float>(hi - 8) * d;
-      } else {
-        o[j] = static_cast<float>(lo) * d + m;
-        o[j + 16] = static_cast<float>(hi) * d + m;
-      }
+    for (int k = 0; k < 32; ++k) {
+      const float v = static_cast<float>(code_at(w, n, b, k)) * d;
+      o[k] = w.m ? v + m : v;
     }
   }
 }
