@@ -45,11 +45,11 @@ class ServerArgs:
     dtype: str = _opt("auto", "Compute dtype; auto = float32 on CPU, bfloat16 on CUDA.",
                       choices=["auto", "float32", "bfloat16", "float16"])
     device: str = _opt("auto", "Device to run on.", choices=["auto", "cpu", "cuda"])
-    quantization: str = _opt("auto", "Weight format on CPU. auto: a GGUF keeps its Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 blocks "
-                             "(Q4_K/Q6_K repacked; other types dequantised to fp32), a HF folder stays fp32; none: "
-                             "dequantise everything to fp32; int8 (= q8_0), q8_0, q4_0, q4_1, q5_0, q5_1: quantise "
-                             "every linear and the embedding to these blocks of 32 at load (tensors already in that "
-                             "format are kept as they are).",
+    quantization: str = _opt("auto", "Weight format on CPU. auto: a GGUF keeps its Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/"
+                             "Q4_K/Q5_K/Q6_K blocks at their own bits (other types dequantised to fp32), a HF folder "
+                             "stays fp32; none: dequantise everything to fp32; int8 (= q8_0), q8_0, q4_0, q4_1, "
+                             "q5_0, q5_1: quantise every linear and the embedding to these blocks of 32 at load "
+                             "(tensors already in that format are kept as they are).",
                              choices=["auto", "none", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
     context_length: int | None = _opt(None, "Override the model's maximum context length.",
                                       aliases=("--max-model-len",))

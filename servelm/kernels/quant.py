@@ -1,19 +1,27 @@
-"""Quantised weights on CPU: ggml's 32-weight block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and the matmul over them.
+"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the k-quants Q4_K, Q5_K,
+Q6_K) kept at their own bits, and the matmul over them.
 
-A `QuantWeight` is one [N out, K in] matrix quantised by rows in blocks of 32 weights, kept in the
-layout the kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a
-format): `qs` (the block payloads: int8 [N, KB, 32] for q8_0; uint8 [N, KB, 16] packed nibbles in ggml
-order for q4_* and q5_*: element j in the low nibble of byte j, element j + 16 in the high one), `d` (fp16
-[N, KB] block scales), `m` (fp16 [N, KB] block minimums, q4_1 and q5_1) and `qh` (int32 [N, KB], q5_*: bit j
-is the fifth bit of element j). KB = ceil(K / 32); `quantize` zero-pads K to a multiple of 32.
+A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight blocks in the layout the
+kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
+* `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
+  (element j in the low nibble of byte j, element j + 16 in the high one);
+* `qh`, `qh2`: int32 [N, KB] bit planes over the nibbles (bit j is element j's): the fifth bit (+16) of
+  q5_0, q5_1, Q5_K; Q6_K's fifth and sixth (+16, +32);
+* `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
+  256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
+* `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
+  the 12-byte field), Q6_K's int8 scales of the block's two halves.
+KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
+file's bytes (1.00x for Q6_K, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to bytes).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
-`d * q + m` for q4_1 and q5_1, fp32 mul then add). `linear` runs the C++ kernel in `csrc/` (AVX-512 with or
-without VNNI / AVX2 / scalar, chosen at run time, built on first use, see `servelm.kernels.build`) or, where it
-cannot be built, the torch path: dequantise, then matmul. The kernel multiplies the weights' integer codes
-with x rounded per block of 32 to int16 codes on a power-of-two scale (llama.cpp's scheme with 16-bit instead
-of 8-bit activations: a relative error of ~2^-15 of the block's largest |x|, ~100x below fp32 vs Q4 weight
-error; see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumulation.
+`d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K, fp32).
+`linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 / scalar, chosen at run time,
+built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
+then matmul. The kernel multiplies the weights' integer codes with x rounded per block of 32 to int16 codes on
+a power-of-two scale (llama.cpp's scheme with 16-bit instead of 8-bit activations: a relative error of ~2^-15
+of the block's largest |x|, ~100x below fp32 vs Q4 weight error; see csrc/quant_common.h), exact int32 block
+sums, then fp32 scaling and accumulation.
 """
 
 from __future__ import annotations
@@ -25,9 +33,8 @@ from functools import cache
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K
-from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from servelm.kernels import build
@@ -35,34 +42,43 @@ from servelm.kernels import build
 
 @dataclass(frozen=True)
 class BlockFormat:
-    """One row of the block-format registry: a ggml 32-weight block and how the kernel reads it."""
+    """One row of the block-format registry: a ggml block type and how the kernel reads it as 32-weight blocks
+    (csrc/quant_common.h `Traits` is the C++ side of the same row)."""
 
     name: str
     ggml: GGMLQuantizationType
-    code: int  # the C++ kernel's `Fmt` (csrc/quant_common.h)
-    payload: int  # bytes of codes per block (qs)
-    offset: int = 0  # value = d * (code - offset) (+ m)
-    has_min: bool = False  # an fp16 minimum after the scale
-    has_qh: bool = False  # a uint32 of fifth bits after the scales
+    code: int  # the C++ kernel's `Fmt`
+    payload: int  # bytes of codes per 32-weight block (qs)
+    offset: int = 0  # value = scale * (code - offset) (+ min)
+    has_min: bool = False  # a minimum added to each value (q4_1, q5_1; Q4_K/Q5_K: -dmin * 6-bit min)
+    planes: int = 0  # uint32 bit planes per block over the nibbles: q5 1 (qh, +16), Q6_K 2 (qh, qh2: +16, +32)
+    super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
+
+    @property
+    def file_block(self) -> int:
+        """Weights per block of the file (32, or 256 for the k-quants): TP splits fall on whole ones."""
+        return 256 if self.super_block else BLOCK
 
     @property
     def header(self) -> int:
-        return 2 + 2 * self.has_min + 4 * self.has_qh
-
-    @property
-    def block_bytes(self) -> int:
-        return self.header + self.payload
+        """Bytes before a 32-weight format's codes: fp16 scale (+ fp16 minimum) (+ uint32 fifth bits)."""
+        return 2 + 2 * self.has_min + 4 * self.planes
 
 
 _REGISTRY = {f.name: f for f in (
     BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 0, 32),
     BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 1, 16, offset=8),
     BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 2, 16, has_min=True),
-    BlockFormat("q5_0", GGMLQuantizationType.Q5_0, 3, 16, offset=16, has_qh=True),
-    BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 4, 16, has_min=True, has_qh=True),
+    BlockFormat("q5_0", GGMLQuantizationType.Q5_0, 3, 16, offset=16, planes=1),
+    BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 4, 16, has_min=True, planes=1),
+    BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 5, 16, has_min=True, super_block=True),
+    BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 6, 16, has_min=True, planes=1, super_block=True),
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, super_block=True),
 )}
-FORMATS = tuple(_REGISTRY)
+FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
+QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block)  # `quantize` writes these
 BLOCK = 32
+SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
 TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512", "avx512_vnni" or "torch": one path (tests, benchmarks)
@@ -78,20 +94,24 @@ class QuantWeight:
     d: torch.Tensor
     m: torch.Tensor | None = None
     qh: torch.Tensor | None = None
+    qh2: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Resident bytes of the tensors."""
         return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(qs, d, m, qh): the row-indexed fields, in one order for the row and column operations."""
-        return self.qs, self.d, self.m, self.qh
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """(qs, d, m, qh, qh2, sc): the row-indexed fields, in the order of the constructor and the kernel op."""
+        return self.qs, self.d, self.m, self.qh, self.qh2, self.sc
 
     def replace(self, fn, shape: tuple[int, int]) -> QuantWeight:
-        """The same format with `fn` applied to each present field."""
-        qs, d, m, qh = (None if t is None else fn(t) for t in self.tensors())
-        return QuantWeight(self.fmt, shape, qs, d, m, qh)
+        """The same format with `fn(field, per_super_block)` applied to each present field (d and m are per
+        super-block for the k-quants, every other field per 32-weight block)."""
+        sb = block_format(self.fmt).super_block
+        fields = [None if t is None else fn(t, sb and i in (1, 2)) for i, t in enumerate(self.tensors())]
+        return QuantWeight(self.fmt, shape, *fields)
 
     @property
     def blocks(self) -> int:
@@ -109,79 +129,92 @@ def _check_fmt(fmt: str) -> None:
 
 
 def bytes_per_block(fmt: str) -> int:
-    return block_format(fmt).block_bytes
+    """Bytes of one block of the file (32 weights; 256 for the k-quants)."""
+    return GGML_QUANT_SIZES[block_format(fmt).ggml][1]
+
+
+def _words(bits: np.ndarray) -> torch.Tensor:
+    """[..., 32] of 0/1 -> int32 [...]: bit j of each word is element j."""
+    w = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+    return torch.from_numpy(np.ascontiguousarray(w)).view(torch.int32)
+
+
+def _nibbles(codes: np.ndarray) -> torch.Tensor:
+    """[..., 32] codes 0..15 -> uint8 [..., 16] in ggml's q4 layout: element j low, j + 16 high."""
+    codes = codes.astype(np.uint8)
+    return torch.from_numpy(np.ascontiguousarray(codes[..., :16] | (codes[..., 16:] << 4)))
+
+
+def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
+    """A weight from k-quant super-blocks `blocks` uint8 [n * nsb, bytes]: the same bits, rearranged into
+    32-weight blocks (nibbles in the q4 layout, fifth/sixth bits as uint32 planes, each block's two scale
+    bytes) beside the super-blocks' fp16 d (and dmin)."""
+    kb, nsb = k // BLOCK, k // SUPER
+    b = blocks.shape[0]
+
+    def half(lo: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(blocks[:, lo: lo + 2])).view(torch.float16).view(n, nsb)
+
+    if fmt in ("q4_k", "q5_k"):
+        sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [b, 8] each, 6-bit
+        scales = torch.from_numpy(np.ascontiguousarray(np.stack([sc, mins], -1).astype(np.uint8))).view(n, kb, 2)
+        qs_off = 16 if fmt == "q4_k" else 48
+        # Sub-block 2c holds the low nibbles of bytes 32c..32c+31 of qs, sub-block 2c + 1 the high ones.
+        low = (blocks[:, qs_off: qs_off + 128].reshape(b, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1))
+        codes = (low & 0x0F).reshape(n, kb, 32)
+        qh = None
+        if fmt == "q5_k":  # bit s of byte l of qh: the fifth bit of element l of sub-block s
+            raw = blocks[:, 16:48].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            qh = _words((raw & 1).reshape(n, kb, 32))
+        return QuantWeight(fmt, (n, k), _nibbles(codes), half(0), half(2), qh, None, scales)
+    # Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), fp16 d; per half h (128 weights) ql's
+    # 64 bytes hold elements 0..63 (low nibbles) and 64..127 (high), qh's 32 bytes four 2-bit fields per byte.
+    low = blocks[:, :128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    codes = (low & 0x0F).reshape(n, kb, 32)
+    high = (blocks[:, 128:192].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+    high = high.reshape(n, kb, 32)
+    scales = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208])).view(n, kb, 2)
+    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _words(high & 1), _words(high >> 1), scales)
 
 
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     """A weight from its ggml blocks: `raw` uint8 viewed [N, bytes_per_row] (GGUFReader's tensor.data).
 
-    No fp32 round trip: the scales and payloads are copied out of the blocks as they are.
+    No fp32 round trip: the scales and codes are copied out of the blocks as they are (the k-quants' bits
+    rearranged into 32-weight blocks, see `_from_k`).
     """
-    _check_fmt(fmt)
+    row = block_format(fmt)
     n, k = int(shape[0]), int(shape[1])
-    kb = -(-k // BLOCK)
-    bpb = bytes_per_block(fmt)
     arr = np.asarray(raw).view(np.uint8).reshape(n, -1)
-    if arr.shape[1] != kb * bpb:
-        raise ValueError(f"{fmt} weight of shape {shape}: expected {kb * bpb} bytes per row, got {arr.shape[1]}")
+    fb = row.file_block
+    if row.super_block and k % fb:
+        raise ValueError(f"{fmt} weight of shape {shape}: K must be a multiple of its {fb}-weight super-blocks")
+    nblk = -(-k // fb)
+    bpb = bytes_per_block(fmt)
+    if arr.shape[1] != nblk * bpb:
+        raise ValueError(f"{fmt} weight of shape {shape}: expected {nblk * bpb} bytes per row, got {arr.shape[1]}")
+    if row.super_block:
+        return _from_k(arr.reshape(n * nblk, bpb), fmt, n, k)
+    kb = nblk
     blocks = arr.reshape(n, kb, bpb)  # may be a read-only memory map: each field is copied out once
 
     def field(lo: int, hi: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:hi]))
 
-    f = block_format(fmt)
     d = field(0, 2).view(torch.float16).view(n, kb)
-    m = field(2, 4).view(torch.float16).view(n, kb) if f.has_min else None
-    qh = field(f.header - 4, f.header).view(torch.int32).view(n, kb) if f.has_qh else None
-    qs = field(f.header, bpb)
+    m = field(2, 4).view(torch.float16).view(n, kb) if row.has_min else None
+    qh = field(row.header - 4, row.header).view(torch.int32).view(n, kb) if row.planes else None
+    qs = field(row.header, bpb)
     if fmt == "q8_0":
         qs = qs.view(torch.int8)
     return QuantWeight(fmt, (n, k), qs, d, m, qh)
 
 
-# k-quant GGUF types kept as blocks the kernel reads: Q4_K repacked as q4_1 (each 32-weight sub-block's
-# d * scale and dmin * min, rounded to fp16: a relative change of at most 2^-11 of those two products, the
-# codes unchanged), Q6_K requantised to q8_0 (llama.cpp's Q8_0 rounding of the dequantised values: at most
-# half a step of 1/127 of each 32-weight block's largest |w|).
-K_FORMATS = {"q4_k": "q4_1", "q6_k": "q8_0"}
-_K_ROWS = 1024  # Q6_K rows dequantised at once (bounded fp32 scratch for a big LM head)
-
-
-def from_gguf_k(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight | None:
-    """A weight from GGUF k-quant blocks (`fmt` "q4_k" or "q6_k"; see K_FORMATS): uint8 [N, bytes_per_row].
-
-    None when a Q4_K sub-block's scale product does not fit fp16 (the caller then dequantises to fp32)."""
-    if fmt not in K_FORMATS:
-        raise ValueError(f"unknown k-quant format {fmt!r}; expected one of {', '.join(K_FORMATS)}")
-    n, k = int(shape[0]), int(shape[1])
-    arr = np.asarray(raw).view(np.uint8).reshape(n, -1)
-    if fmt == "q6_k":
-        parts = [quantize(torch.from_numpy(gguf_dequantize(arr[r: r + _K_ROWS], GGMLQuantizationType.Q6_K)
-                                           .reshape(-1, k)), "q8_0") for r in range(0, n, _K_ROWS)]
-        return parts[0] if len(parts) == 1 else cat_rows(parts)
-    if k % 256 or arr.shape[1] != k // 256 * 144:
-        raise ValueError(f"q4_k weight of shape {shape}: expected {k // 256 * 144} bytes per row of 256-weight "
-                         f"super-blocks, got {arr.shape[1]}")
-    nsb = k // 256
-    blocks = arr.reshape(n * nsb, 144)
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n * nsb, 1]
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [n * nsb, 8] each, 6-bit
-    scale = d * sc.astype(np.float32)
-    minimum = -(dmin * mins.astype(np.float32))
-    if max(np.abs(scale).max(initial=0), np.abs(minimum).max(initial=0)) > np.finfo(np.float16).max:
-        return None
-    # Sub-block 2c holds the low nibbles of the super-block's bytes 32c..32c+31, sub-block 2c + 1 the high ones.
-    qs = blocks[:, 16:].reshape(n * nsb, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    vals = (qs & 0x0F).reshape(n, nsb * 8, 32)  # [n, KB, 32] codes in order
-    packed = vals[..., :16] | (vals[..., 16:] << 4)  # ggml's q4 layout: element j low, j + 16 high
-    return QuantWeight("q4_1", (n, k), torch.from_numpy(np.ascontiguousarray(packed)),
-                       torch.from_numpy(scale.astype(np.float16).reshape(n, nsb * 8)),
-                       torch.from_numpy(minimum.astype(np.float16).reshape(n, nsb * 8)))
-
-
 def to_gguf(qw: QuantWeight) -> np.ndarray:
-    """The ggml blocks of `qw`, uint8 [N, bytes_per_row] (inverse of `from_gguf`)."""
+    """The ggml blocks of `qw`, uint8 [N, bytes_per_row] (inverse of `from_gguf`; the 32-weight formats)."""
+    if block_format(qw.fmt).super_block:
+        raise ValueError(f"to_gguf: {qw.fmt} is kept rearranged into 32-weight blocks; only the 32-weight formats "
+                         "are written back")
     n, kb = qw.shape[0], qw.blocks
     parts = [qw.d.view(torch.uint8).view(n, kb, 2)]
     if qw.m is not None:
@@ -195,9 +228,11 @@ def to_gguf(qw: QuantWeight) -> np.ndarray:
 def quantize(w: torch.Tensor, fmt: str) -> QuantWeight:
     """Quantise an fp32/bf16 [N, K] weight with llama.cpp's reference rounding (gguf's quantize_row_*_ref).
 
-    K that is not a multiple of 32 is zero-padded.
+    K that is not a multiple of 32 is zero-padded. The k-quants are read from files, never written here (gguf-py
+    cannot quantise them).
     """
-    _check_fmt(fmt)
+    if fmt not in QUANTIZE_FORMATS:
+        raise ValueError(f"quantize: {fmt!r} is not one of {', '.join(QUANTIZE_FORMATS)}")
     if w.dim() != 2:
         raise ValueError(f"quantize expects a 2-D [N, K] weight, got shape {tuple(w.shape)}")
     n, k = w.shape
@@ -212,21 +247,28 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included."""
-    qs, d, m, qh = qw.tensors()
-    if rows is not None:
-        qs, d, m, qh = (None if t is None else t[rows] for t in (qs, d, m, qh))
+    """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included: exactly gguf's values."""
+    fields = qw.tensors() if rows is None else tuple(None if t is None else t[rows] for t in qw.tensors())
+    qs, d, m, qh, qh2, sc = fields
     f = block_format(qw.fmt)
     if qw.fmt == "q8_0":
-        vals = qs.to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
+        q = qs.to(torch.int32)
     else:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
-        if qh is not None:  # the fifth bits: bit j of qh is element j's
-            q = q | (((qh.unsqueeze(-1) >> _BITS) & 1) << 4)
-        vals = (q - f.offset).to(torch.float32) * d.to(torch.float32).unsqueeze(-1)
-        if m is not None:
-            vals = vals + m.to(torch.float32).unsqueeze(-1)
-    return vals.reshape(*vals.shape[:-2], -1)
+        for shift, plane in ((4, qh), (5, qh2)):  # bit j of a plane word is element j's
+            if plane is not None:
+                q = q | (((plane.unsqueeze(-1) >> _BITS) & 1) << shift)
+    q = (q - f.offset).to(torch.float32)  # [..., KB, 32]
+    if not f.super_block:
+        vals = q * d.to(torch.float32).unsqueeze(-1)
+        return (vals + m.to(torch.float32).unsqueeze(-1) if m is not None else vals).flatten(-2)
+    per_block = (d.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1)).unsqueeze(-1)  # [..., KB, 1]
+    if qw.fmt == "q6_k":  # int8 scale per 16 weights: d * scale, exact in fp32
+        scale = per_block * sc.view(torch.int8).to(torch.float32).repeat_interleave(16, dim=-1)
+        return (q * scale).flatten(-2)
+    dmin = m.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1).unsqueeze(-1)
+    scale, minimum = per_block * sc[..., :1].to(torch.float32), dmin * sc[..., 1:].to(torch.float32)
+    return (q * scale - minimum).flatten(-2)
 
 
 def dequantize(qw: QuantWeight) -> torch.Tensor:
@@ -317,7 +359,7 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
         bias = bias.to(torch.float32).contiguous()
     ops = torch.ops.servelm_quant
     op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS else ops.linear_tiles
-    y = op.default(x2, qw.qs, qw.d, qw.m, qw.qh, _REGISTRY[qw.fmt].code, bias, _ISA_NAMES.index(backend))
+    y = op.default(x2, *qw.tensors(), _REGISTRY[qw.fmt].code, bias, _ISA_NAMES.index(backend))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
 
@@ -326,20 +368,23 @@ def narrow_rows(qw: QuantWeight, start: int, length: int) -> QuantWeight:
     n = qw.shape[0]
     if start < 0 or length < 0 or start + length > n:
         raise ValueError(f"narrow_rows: [{start}, {start + length}) is outside the {n} rows")
-    return qw.replace(lambda t: t[start: start + length].contiguous(), (length, qw.shape[1]))
+    return qw.replace(lambda t, _: t[start: start + length].contiguous(), (length, qw.shape[1]))
 
 
 def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
-    """Input columns [start, start + length) (row-parallel TP). Whole blocks only: start and length
-    must be multiples of 32 (length may also run to the end of a K that is not)."""
+    """Input columns [start, start + length) (row-parallel TP). Whole blocks of the file only: start and length
+    must be multiples of 32 (256 for the k-quants; length may also run to the end of a K that is not)."""
     k = qw.shape[1]
     if start < 0 or length < 0 or start + length > k:
         raise ValueError(f"narrow_cols: [{start}, {start + length}) is outside the {k} columns")
-    if start % BLOCK or (length % BLOCK and start + length != k):
-        raise ValueError(f"narrow_cols: start ({start}) and length ({length}) must be multiples of {BLOCK}, "
+    fb = block_format(qw.fmt).file_block
+    if start % fb or (length % fb and start + length != k):
+        raise ValueError(f"narrow_cols: start ({start}) and length ({length}) must be multiples of {fb}, "
                          f"the {qw.fmt} block size")
     b0, nb = start // BLOCK, -(-length // BLOCK)
-    return qw.replace(lambda t: t[:, b0: b0 + nb].contiguous(), (qw.shape[0], length))
+    per = SUPER // BLOCK
+    return qw.replace(lambda t, sb: t[:, b0 // per: (b0 + nb) // per].contiguous() if sb
+                      else t[:, b0: b0 + nb].contiguous(), (qw.shape[0], length))
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -351,7 +396,7 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
         if p.fmt != fmt or p.shape[1] != k:
             raise ValueError(f"cat_rows: parts differ ({p.fmt}, K={p.shape[1]} vs {fmt}, K={k})")
     fields = [None if parts[0].tensors()[i] is None else torch.cat([p.tensors()[i] for p in parts])
-              for i in range(4)]
+              for i in range(len(parts[0].tensors()))]
     return QuantWeight(fmt, (sum(p.shape[0] for p in parts), k), *fields)
 
 
@@ -360,4 +405,4 @@ def permute_rows(qw: QuantWeight, index: torch.Tensor) -> QuantWeight:
     index = index.to(torch.long)
     if index.dim() != 1 or index.numel() != qw.shape[0]:
         raise ValueError(f"permute_rows: index must be 1-D with {qw.shape[0]} entries, got {tuple(index.shape)}")
-    return qw.replace(lambda t: t.index_select(0, index), qw.shape)
+    return qw.replace(lambda t, _: t.index_select(0, index), qw.shape)

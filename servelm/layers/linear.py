@@ -156,10 +156,11 @@ def invariant_linear_of(x: torch.Tensor, weight: torch.Tensor | None, packed: to
 
 def block_aligned_cols(qw: QuantWeight, start: int, length: int, what: str) -> QuantWeight:
     """This rank's input columns of a row-parallel quantised weight; a clear start-up error when the split
-    cuts a 32-weight block."""
-    if start % quant.BLOCK or length % quant.BLOCK:
+    cuts a block of the file (32 weights; 256 for the k-quants' super-blocks)."""
+    fb = quant.block_format(qw.fmt).file_block
+    if start % fb or length % fb:
         raise ConfigError(f"--tp-size {get_tp_size()} splits the {qw.shape[1]} inputs of {what} into shards of "
-                          f"{length}, not a multiple of the {quant.BLOCK}-weight {qw.fmt} block; use another "
+                          f"{length}, not a multiple of the {fb}-weight {qw.fmt} block; use another "
                           "--tp-size or --quantization none")
     return quant.narrow_cols(qw, start, length)
 

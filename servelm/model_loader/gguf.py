@@ -208,10 +208,10 @@ class GGUFModelSource(ModelSource):
                      ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         """Yield `(hf_name, tensor)`: dequantised to float32, q/k un-permuted, then cast to `dtype`.
 
-        A 2-D tensor whose ggml type is in `keep_formats` (kernel format names: "q8_0", "q4_0", "q4_1")
-        comes as a `QuantWeight` of the file's blocks instead, never through fp32 (q/k rows un-permuted);
-        "q4_k" and "q6_k" come repacked as q4_1 and q8_0 blocks (`quant.K_FORMATS`);
-        so does the embedding (`model.embed_tokens.weight`) alone when its type is in `embedding_formats`.
+        A 2-D tensor whose ggml type is in `keep_formats` (kernel format names, `quant.FORMATS`: "q8_0",
+        "q4_0", ..., "q6_k") comes as a `QuantWeight` of the file's blocks instead, never through fp32 (q/k rows
+        un-permuted; the k-quants' bits rearranged into 32-weight blocks, the same bits); so does the embedding
+        (`model.embed_tokens.weight`) alone when its type is in `embedding_formats`.
         """
         assert self.reader is not None
         tensors = {t.name: t for t in self.reader.tensors}
@@ -224,10 +224,10 @@ class GGUFModelSource(ModelSource):
             heads = self._permuted_heads(gguf_name)
             if len(shape) == 2 and (fmt in keep_formats or (fmt in embedding_formats
                                                             and hf_name == EMBEDDING_NAME)):
-                qw = (quant.from_gguf_k if fmt in quant.K_FORMATS else quant.from_gguf)(t.data, fmt, shape)
+                qw = quant.from_gguf(t.data, fmt, shape)
             else:
                 qw = None
-            if qw is not None:  # None: k-quant scales that fp16 cannot hold, dequantised below
+            if qw is not None:
                 if heads:
                     qw = quant.permute_rows(qw, torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
                 yield hf_name, qw

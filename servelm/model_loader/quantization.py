@@ -1,9 +1,9 @@
 """`--quantization`: which weights stay (or become) ggml blocks (`servelm.kernels.quant`), which are fp32.
 
-* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) as it is in
-  the file, without an fp32 round trip; Q4_K is repacked as q4_1 blocks (fp16 sub-block scales) and Q6_K
-  requantised to q8_0 (see `quant.K_FORMATS`); other types (F16, Q2_K, Q3_K, Q5_K, ...) are dequantised to
-  fp32 as with `none`, with one log line per type saying what that costs. A HF folder stays fp32.
+* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+  Q6_K: `quant.FORMATS`) at its own bits, without an fp32 round trip (the k-quants' bits rearranged into
+  32-weight blocks); other types (F16, Q2_K, Q3_K, IQ*, ...) are dequantised to fp32 as with `none`, with one
+  log line per type saying what that costs. A HF folder stays fp32.
 * none: everything computes in fp32 from the dequantised weights (the behaviour before quantised kernels).
   One exception in storage, not in values: a GGUF's tied embedding in a kernel format (`lookup_formats`)
   keeps its blocks for the lookup, whose rows dequantise to bitwise the fp32 values `none` held before, while
@@ -30,7 +30,7 @@ from servelm.kernels import quant
 
 logger = logging.getLogger(__name__)
 
-_TARGET = {"int8": "q8_0", **{fmt: fmt for fmt in quant.FORMATS}}
+_TARGET = {"int8": "q8_0", **{fmt: fmt for fmt in quant.QUANTIZE_FORMATS}}
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def resolve_quantization(mode: str, source_format: str, dtype: torch.dtype, devi
             logger.info("--quantization auto: GGUF weights dequantised (quantised kernels need --dtype float32 "
                         "on the CPU)")
             return QuantPolicy("auto", frozenset())
-        return QuantPolicy("auto", frozenset(quant.FORMATS) | frozenset(quant.K_FORMATS))
+        return QuantPolicy("auto", frozenset(quant.FORMATS))
     if not supported:
         raise ConfigError(f"--quantization {mode} needs float32 compute on the CPU (got dtype "
                           f"{str(dtype).removeprefix('torch.')} on {device.type}); use --quantization none")

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from servelm.config import ConfigError
 from servelm.kernels import quant
 from servelm.kernels.quant import QuantWeight
 from servelm.layers import fused
@@ -202,6 +203,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
+            hf_name = name
             if "rotary_emb.inv_freq" in name:
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
@@ -218,7 +220,10 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 param.data.copy_(quant.dequantize(tensor) if isinstance(tensor, QuantWeight) else tensor)
             else:
-                loader(param, tensor, shard_id)
+                try:
+                    loader(param, tensor, shard_id)
+                except ConfigError as e:  # a TP split that cuts a block: say which tensor
+                    raise ConfigError(f"{hf_name}: {e}") from None
             loaded.add(name)
         return loaded
 

@@ -13,6 +13,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
 from servelm.kernels import build, quant
+from tests.models.gguf_files import random_k_quant as _random_k
 
 GGML = {fmt: quant.block_format(fmt).ggml for fmt in quant.FORMATS}
 ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
@@ -59,7 +60,7 @@ def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: 
 
 
 @pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_linear_matches_dequantised_matmul(path, fmt):
     g = torch.Generator().manual_seed(1)
     for n, k in ((67, 70), (131, 96), (13, 575)):  # N odd, K not a multiple of 32 (padded by quantize)
@@ -73,7 +74,7 @@ def test_linear_matches_dequantised_matmul(path, fmt):
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_kernel_dequantises_exactly(path, fmt):
     """x = identity: each output is one weight times 1 plus zeros, so the kernel's own dequantised values show."""
     _, qw = _weight(77, 70, fmt, seed=3)
@@ -85,7 +86,7 @@ def test_kernel_dequantises_exactly(path, fmt):
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_linear_is_batch_invariant(path, fmt):
     """With invariant=True (deterministic mode), row m is bitwise the same alone, in a batch of 37 with other
     rows, and with 1 or 2 threads. Without it, 10+ rows take the fp32 tile path: close, not the same bits."""
@@ -111,7 +112,7 @@ def test_linear_is_batch_invariant(path, fmt):
 
 
 @pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_vnni_and_plain_avx512_give_the_same_bits(fmt):
     """Both compute the same exact int32 block sums (vpdpwssd vs vpmaddwd + vpaddd), then the same fp32 steps."""
     g = torch.Generator().manual_seed(5)
@@ -133,7 +134,7 @@ def test_nan_and_inf_in_x_propagate(path):
     assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
 
 
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_quantize_is_ggml_reference_and_round_trips_blocks(fmt):
     w, qw = _weight(9, 70, fmt)
     padded = torch.nn.functional.pad(w, (0, 26)).numpy()
@@ -169,7 +170,7 @@ def test_from_gguf_real_blocks_of_the_default_model():
 def test_bad_input_is_a_clear_error():
     _, qw = _weight(8, 64, "q4_1")
     with pytest.raises(ValueError, match="unknown quantisation format"):
-        quant.quantize(torch.zeros(2, 32), "q5_k")
+        quant.from_gguf(np.zeros((2, 18), np.uint8), "q2_k", (2, 32))
     with pytest.raises(ValueError, match="bytes per row"):
         quant.from_gguf(np.zeros((8, 39), np.uint8), "q4_1", (8, 64))
     with pytest.raises(ValueError, match="features"):
@@ -180,7 +181,7 @@ def test_bad_input_is_a_clear_error():
         quant.narrow_rows(qw, 4, 5)
 
 
-@pytest.mark.parametrize("fmt", quant.FORMATS)
+@pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_row_and_column_operations(fmt):
     _, qw = _weight(10, 100, fmt)
     full = quant.dequantize(qw)
@@ -234,59 +235,75 @@ def test_torch_fallback_dequantises_a_slice_of_rows_at_a_time(monkeypatch):
         quant.force_backend(None)
 
 
-def _random_q4_k(n: int, k: int, d: np.ndarray, dmin: np.ndarray, seed: int) -> np.ndarray:
-    """Random Q4_K super-blocks (any 6-bit scales/mins and nibbles are valid) with the given fp16 d/dmin."""
-    blocks = np.random.default_rng(seed).integers(0, 256, size=(n * k // 256, 144), dtype=np.uint8)
-    blocks[:, 0:2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
-    blocks[:, 2:4] = dmin.astype(np.float16).reshape(-1, 1).view(np.uint8)
-    return blocks.reshape(n, -1)
-
-
-def test_q4_k_repacks_as_q4_1_exactly_when_the_scales_fit_fp16():
-    """d = 2^-10, dmin = 2^-8: d * scale and dmin * min are exact in fp16, so the q4_1 blocks dequantise to
-    gguf's own Q4_K values bit for bit (which checks the nibble and scale layouts)."""
+K_QUANTS = tuple(f for f in quant.FORMATS if f not in quant.QUANTIZE_FORMATS)
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_blocks_hold_ggufs_values_in_the_files_bytes(fmt):
+    """The k-quants are kept at their own bits: rearranged into 32-weight blocks, they dequantise to gguf's own
+    values bit for bit (the nibble, bit-plane and scale layouts) in at most 1.03x the file's bytes."""
     n, k = 7, 768
-    raw = _random_q4_k(n, k, np.full(n * 3, 2.0 ** -10), np.full(n * 3, 2.0 ** -8), seed=8)
-    qw = quant.from_gguf_k(raw, "q4_k", (n, k))
-    assert qw.fmt == "q4_1" and qw.shape == (n, k) and qw.nbytes == n * k // 32 * 20
-    expected = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(n, k)
+    raw, qw = _random_k(fmt, n, k, seed=8)
+    assert qw.fmt == fmt and qw.shape == (n, k)
+    expected = gguf_dequantize(raw, GGML[fmt]).reshape(n, k)
     assert np.array_equal(quant.dequantize(qw).numpy(), expected)
+    assert raw.nbytes <= qw.nbytes <= 1.03 * raw.nbytes  # Q6_K 1.0x; Q4_K/Q5_K unpack 12 scale bytes to 16
+    ids = torch.tensor([[0, 6], [3, 3]])
+    assert torch.equal(quant.embedding(ids, qw), quant.dequantize(qw)[ids])
 
 
-def test_q4_k_whose_scales_overflow_fp16_is_not_repacked():
-    raw = _random_q4_k(2, 256, np.full(2, 60000.0), np.full(2, 1.0), seed=12)  # 60000 x a 6-bit scale > fp16
-    assert quant.from_gguf_k(raw, "q4_k", (2, 256)) is None  # the loader dequantises it to fp32 instead
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_linear_matches_dequantised_matmul(path, fmt):
+    g = torch.Generator().manual_seed(12)
+    for n, k in ((67, 256), (13, 768)):
+        _, qw = _random_k(fmt, n, k, seed=n)
+        bias = torch.randn(n, generator=g)
+        for m in (1, 2, 3, 5, 7, 13, 37, 70):
+            x = torch.randn(m, k, generator=g)
+            _check_close(quant.linear(x, qw, bias if m % 2 else None), x, qw, bias if m % 2 else None)
 
 
-def test_q4_k_repack_rounds_only_the_sub_block_scales():
-    from gguf.quants import Q4_K
-
-    n, k = 4, 512
-    rng = np.random.default_rng(9)
-    raw = _random_q4_k(n, k, rng.uniform(1e-4, 1e-2, n * 2), rng.uniform(1e-4, 1e-2, n * 2), seed=10)
-    got = quant.dequantize(quant.from_gguf_k(raw, "q4_k", (n, k))).numpy().reshape(-1, 8, 32)
-    expected = gguf_dequantize(raw, GGMLQuantizationType.Q4_K).reshape(-1, 8, 32)
-    blocks = raw.reshape(-1, 144)
-    sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-    bound = (2.0 ** -11 * (15 * d * sc + dmin * mins) * 1.001)[..., None]  # fp16 rounding of both products
-    assert bool((np.abs(got - expected) <= bound).all())
-    assert not np.array_equal(got, expected)  # these scales do not all fit fp16
+@pytest.mark.parametrize("path", KERNELS, indirect=True)
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
+    _, qw = _random_k(fmt, 77, 512, seed=3)
+    eye = torch.eye(512)
+    for invariant in (False, True):  # the fp32 tile path (70 rows) and the int16 scheme
+        assert torch.equal(quant.linear(eye[:70], qw, invariant=invariant), quant.dequantize(qw).T[:70])
+    assert torch.equal(quant.linear(eye[300:301], qw), quant.dequantize(qw).T[300:301])
+    x = torch.randn(37, 512, generator=torch.Generator().manual_seed(4))
+    full = quant.linear(x, qw, invariant=True)
+    for m in (0, 5, 36):
+        assert torch.equal(quant.linear(x[m: m + 1], qw), full[m: m + 1])
 
 
-def test_q6_k_requantises_to_q8_0():
-    from tests.models.gguf_files import quantize_k
+@pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_vnni_and_plain_avx512_give_the_same_bits(fmt):
+    _, qw = _random_k(fmt, 75, 512, seed=6)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5))
+    try:
+        outs = [quant.force_backend(isa) and quant.linear(x, qw) for isa in ("avx512", "avx512_vnni")]
+    finally:
+        quant.force_backend(None)
+    assert torch.equal(outs[0], outs[1])
 
-    w = torch.randn(5, 512, generator=torch.Generator().manual_seed(11)).numpy()
-    raw = quantize_k(w, "Q6_K")
-    qw = quant.from_gguf_k(raw, "q6_k", (5, 512))
-    assert qw.fmt == "q8_0" and qw.shape == (5, 512)
-    src = gguf_dequantize(raw, GGMLQuantizationType.Q6_K).reshape(5, -1, 32)
-    got = quant.dequantize(qw).numpy().reshape(5, -1, 32)
-    step = np.abs(src).max(-1, keepdims=True) / 127
-    # ggml's Q8_0: codes rounded against the fp32 step (half a step), decoded with its fp16 rounding (up to 127
-    # codes x 2^-11 of a step more)
-    assert bool((np.abs(got - src) <= step * (0.5 + 127 * 2.0 ** -11) * 1.001 + 1e-7).all())
-    with pytest.raises(ValueError, match="k-quant"):
-        quant.from_gguf_k(raw, "q5_k", (5, 512))
+
+@pytest.mark.parametrize("fmt", K_QUANTS)
+def test_k_quant_row_and_column_operations(fmt):
+    _, qw = _random_k(fmt, 10, 768, seed=9)
+    full = quant.dequantize(qw)
+    back = quant.cat_rows([quant.narrow_rows(qw, 0, 3), quant.narrow_rows(qw, 3, 7)])
+    assert torch.equal(quant.dequantize(back), full)
+    perm = torch.randperm(10, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(quant.dequantize(quant.permute_rows(qw, perm)), full[perm])
+    left, right = quant.narrow_cols(qw, 0, 256), quant.narrow_cols(qw, 256, 512)  # whole super-blocks
+    assert torch.equal(quant.dequantize(left), full[:, :256]) and torch.equal(quant.dequantize(right), full[:, 256:])
+    x = torch.randn(4, 768)
+    split = quant.linear(x[:, :256], left) + quant.linear(x[:, 256:], right)
+    torch.testing.assert_close(split, quant.linear(x, qw), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 256"):
+        quant.narrow_cols(qw, 128, 128)  # inside a super-block: its d and scales cannot be split
+    with pytest.raises(ValueError, match="not one of"):
+        quant.quantize(torch.zeros(2, 256), fmt)
+    with pytest.raises(ValueError, match="32-weight formats"):
+        quant.to_gguf(qw)

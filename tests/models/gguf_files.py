@@ -9,6 +9,8 @@ import gguf
 import numpy as np
 import transformers
 
+from servelm.kernels import quant
+
 _HF_TO_GGUF_BLOCK = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -70,6 +72,21 @@ def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
     return np.ascontiguousarray(blocks).reshape(n, -1)
 
 
+_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # byte offsets of the fp16 d (and dmin)
+
+
+def random_k_quant(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, quant.QuantWeight]:
+    """Random k-quant super-blocks (any scale, min and code bits are valid) with fp16 d/dmin in [1e-4, 1e-2]."""
+    rng = np.random.default_rng(seed)
+    row = quant.block_format(fmt)
+    blocks = rng.integers(0, 256, size=(n * k // 256, quant.bytes_per_block(fmt)), dtype=np.uint8)
+    for at in _D_AT[fmt]:
+        blocks[:, at: at + 2] = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    raw = blocks.reshape(n, -1)
+    assert row.super_block and raw.shape[1] == k // 256 * quant.bytes_per_block(fmt)
+    return raw, quant.from_gguf(raw, fmt, (n, k))
+
+
 def write_gguf(
     path: Path,
     gguf_arch: str,
@@ -120,9 +137,14 @@ def write_gguf(
         if override_dtype and gguf_name in override_dtype:
             w.add_tensor(gguf_name, arr.astype(override_dtype[gguf_name]))
         elif quantize == "Q4_K_M" and arr.ndim == 2:  # as llama.cpp's mix: Q6_K for the embedding/output and
-            # some layers' attn_v (its "use_more_bits" layers; here layer 0), Q4_K elsewhere
+            # some layers' attn_v (its "use_more_bits" layers; here layer 0), Q4_K elsewhere; a row that is not
+            # whole 256-weight super-blocks falls back as llama-quantize does (Q4_K -> Q5_0, Q6_K -> Q8_0)
             qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight", "blk.0.attn_v.weight") else "Q4_K"
-            w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+            if arr.shape[-1] % 256:
+                qt = gguf.GGMLQuantizationType.Q8_0 if qtype == "Q6_K" else gguf.GGMLQuantizationType.Q5_0
+                w.add_tensor(gguf_name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+            else:
+                w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
         elif quantize and arr.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quantize]
             w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

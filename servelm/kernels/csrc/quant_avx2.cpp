@@ -52,12 +52,12 @@ static inline float min_term(const float* mrow, const float* xsum, int64_t kb) {
   return hsum8(acc);
 }
 
-// 16 bits -> 16 words: 16 where the bit is set, else 0.
-static inline __m256i fifth_bits(uint32_t bits16) {
+// 16 bits -> 16 words: `value` where the bit is set, else 0.
+static inline __m256i plane_bits(uint32_t bits16, __m256i value) {
   const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
                                         static_cast<int16_t>(0x8000));
   const __m256i v = _mm256_and_si256(_mm256_set1_epi16(static_cast<int16_t>(bits16)), bit);
-  return _mm256_and_si256(_mm256_cmpeq_epi16(v, bit), _mm256_set1_epi16(16));
+  return _mm256_and_si256(_mm256_cmpeq_epi16(v, bit), value);
 }
 
 template <Fmt F, int NR, int R>
@@ -82,10 +82,11 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16)));
         wa[j] = _mm256_and_si256(v, low4);
         wb[j] = _mm256_srli_epi16(v, 4);
-        if constexpr (Traits<F>::has_qh) {  // fifth bits 0..15 go to wa's words, 16..31 to wb's
-          const uint32_t h = w.qh[(n + j) * kb + b];
-          wa[j] = _mm256_or_si256(wa[j], fifth_bits(h & 0xFFFFu));
-          wb[j] = _mm256_or_si256(wb[j], fifth_bits(h >> 16));
+        for (int p = 0; p < Traits<F>::planes; ++p) {  // plane bits 0..15 go to wa's words, 16..31 to wb's
+          const uint32_t h = (p ? w.qh2 : w.qh)[(n + j) * kb + b];
+          const __m256i v = _mm256_set1_epi16(p ? 32 : 16);
+          wa[j] = _mm256_or_si256(wa[j], plane_bits(h & 0xFFFFu, v));
+          wb[j] = _mm256_or_si256(wb[j], plane_bits(h >> 16, v));
         }
         if constexpr (Traits<F>::offset != 0) {
           wa[j] = _mm256_sub_epi16(wa[j], offset);
@@ -99,9 +100,16 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16));
       const __m256 sv = _mm256_set1_ps(x.s[(i0 + r) * x.ss + b]);
       for (int j = 0; j < NR; ++j) {
-        const __m256i iv = _mm256_add_epi32(_mm256_madd_epi16(wa[j], xa), _mm256_madd_epi16(wb[j], xb));
-        acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iv), sv), _mm256_set1_ps(dn[j * ld + b]),
-                                    acc[j][r]);
+        if constexpr (Traits<F>::split) {  // k 0..15 and 16..31 have their own scales (dn, mn)
+          const __m256 ia = _mm256_cvtepi32_ps(_mm256_madd_epi16(wa[j], xa));
+          const __m256 ib = _mm256_cvtepi32_ps(_mm256_madd_epi16(wb[j], xb));
+          acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(ia, sv), _mm256_set1_ps(dn[j * ld + b]), acc[j][r]);
+          acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(ib, sv), _mm256_set1_ps(mn[j * ld + b]), acc[j][r]);
+        } else {
+          const __m256i iv = _mm256_add_epi32(_mm256_madd_epi16(wa[j], xa), _mm256_madd_epi16(wb[j], xb));
+          acc[j][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iv), sv), _mm256_set1_ps(dn[j * ld + b]),
+                                      acc[j][r]);
+        }
       }
     }
   }
@@ -132,16 +140,25 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   float* mn = dn + kNr * ld;
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
-    if (n + kAhead < w.N)
+    if (n + kAhead < w.N) {
+      const char* next = Traits<F>::kquant ? reinterpret_cast<const char*>(w.sc + (n + kAhead) * w.KB * 2)
+                                           : reinterpret_cast<const char*>(w.d + (n + kAhead) * w.KB);
       for (int64_t c = 0; c < kNr * w.KB * 2; c += 64) {
-        prefetch(reinterpret_cast<const char*>(w.d + (n + kAhead) * w.KB) + c);
-        if (Traits<F>::has_min) prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
-        if (Traits<F>::has_qh)
-          for (int64_t h = 0; h < 128; h += 64) prefetch(reinterpret_cast<const char*>(w.qh + (n + kAhead) * w.KB) + 2 * c + h);
+        prefetch(next + c);
+        if (Traits<F>::has_min && !Traits<F>::kquant)
+          prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
       }
+      for (int p = 0; p < Traits<F>::planes; ++p)
+        for (int64_t c = 0; c < kNr * w.KB * 4; c += 64)
+          prefetch(reinterpret_cast<const char*>((p ? w.qh2 : w.qh) + (n + kAhead) * w.KB) + c);
+    }
     for (int j = 0; j < nr; ++j) {
-      row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
-      if (Traits<F>::has_min) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
+      if constexpr (Traits<F>::kquant) {
+        row_scales_ref(w, n + j, dn + j * ld, mn + j * ld, ld);
+      } else {
+        row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
+        if (Traits<F>::has_min) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
+      }
     }
     for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
       const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));

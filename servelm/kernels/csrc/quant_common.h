@@ -16,26 +16,28 @@
 namespace servelm_quant {
 
 // The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
-enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4 };
-constexpr int64_t kNumFmts = 5;
+// Every format is read as 32-weight blocks of integer codes; the k-quants (Q4_K, Q5_K, Q6_K: 256-weight
+// super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py).
+enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
+constexpr int64_t kNumFmts = 8;
 constexpr int64_t kBlock = 32;
+constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 
-// One row of the format table: how a block's integer codes become values, value = d * (code - offset) (+ m).
-// q8_0's codes are the signed bytes; the others' are the nibbles of qs, plus (q5_*) a fifth bit from qh.
+// One row of the format table: how a block's integer codes become values.
+//   code = nibble (+ 16 * plane-0 bit) (+ 32 * plane-1 bit) - offset, or q8_0's signed byte;
+//   value = s0 * code (+ s1) for one scale per block, or s0 * code (first 16 codes) and s1 * code (last 16)
+//   for the split formats (Q6_K: a scale per 16 weights), with s0, s1 from `row_scales_ref`.
 template <Fmt F>
 struct Traits {
-  static constexpr bool nibbles = F != Q8_0;        // qs holds 16 bytes of nibble pairs, not 32 int8
-  static constexpr bool has_min = F == Q4_1 || F == Q5_1;
-  static constexpr bool has_qh = F == Q5_0 || F == Q5_1;
-  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : 0;
+  static constexpr bool nibbles = F != Q8_0;  // qs holds 16 bytes of nibble pairs, not 32 int8
+  static constexpr bool has_min = F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K;
+  static constexpr int planes = F == Q6_K ? 2 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 1 : 0;
+  static constexpr bool has_qh = planes > 0;
+  static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K;  // scales derived per super-block
+  static constexpr bool split = F == Q6_K;
+  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
   static constexpr int payload = nibbles ? 16 : 32;  // bytes of qs per block
 };
-
-// Run-time view of the same table (the scalar paths and argument checks).
-inline bool fmt_has_min(Fmt f) { return f == Q4_1 || f == Q5_1; }
-inline bool fmt_has_qh(Fmt f) { return f == Q5_0 || f == Q5_1; }
-inline int fmt_offset(Fmt f) { return f == Q4_0 ? 8 : f == Q5_0 ? 16 : 0; }
-inline int fmt_payload(Fmt f) { return f == Q8_0 ? 32 : 16; }
 
 // Calls fn(std::integral_constant<Fmt, F>{}) for the run-time format f: the drivers are written once over it.
 template <typename Fn>
@@ -45,18 +47,43 @@ inline void dispatch_fmt(Fmt f, Fn&& fn) {
     case Q4_0: fn(std::integral_constant<Fmt, Q4_0>{}); break;
     case Q4_1: fn(std::integral_constant<Fmt, Q4_1>{}); break;
     case Q5_0: fn(std::integral_constant<Fmt, Q5_0>{}); break;
-    default: fn(std::integral_constant<Fmt, Q5_1>{}); break;
+    case Q5_1: fn(std::integral_constant<Fmt, Q5_1>{}); break;
+    case Q4_K: fn(std::integral_constant<Fmt, Q4_K>{}); break;
+    case Q5_K: fn(std::integral_constant<Fmt, Q5_K>{}); break;
+    default: fn(std::integral_constant<Fmt, Q6_K>{}); break;
   }
 }
 
-// One [N, KB * 32] quantised weight: qs (q8_0: int8 [N, KB, 32]; q4_*, q5_*: uint8 [N, KB, 16], element j in
-// the low nibble of byte j, element j + 16 in the high one), d and m (fp16 bits [N, KB]; m only for q4_1 and
-// q5_1), qh (uint32 [N, KB], q5_* only: bit j is the fifth bit of element j's code).
+// Run-time view of the same table (the scalar paths and argument checks).
+#define SERVELM_TRAIT(name, field)                                           \
+  inline std::remove_cv_t<decltype(Traits<Q8_0>::field)> name(Fmt f) {       \
+    std::remove_cv_t<decltype(Traits<Q8_0>::field)> v{};                     \
+    dispatch_fmt(f, [&](auto c) { v = Traits<decltype(c)::value>::field; }); \
+    return v;                                                                \
+  }
+SERVELM_TRAIT(fmt_has_min, has_min)
+SERVELM_TRAIT(fmt_planes, planes)
+SERVELM_TRAIT(fmt_kquant, kquant)
+SERVELM_TRAIT(fmt_split, split)
+SERVELM_TRAIT(fmt_offset, offset)
+SERVELM_TRAIT(fmt_payload, payload)
+#undef SERVELM_TRAIT
+
+// One [N, KB * 32] quantised weight, in 32-weight blocks:
+//   qs: q8_0 int8 [N, KB, 32]; the others uint8 [N, KB, 16], element j in the low nibble of byte j, element
+//       j + 16 in the high one;
+//   qh, qh2: uint32 [N, KB], bit j = plane 0 (+16) / plane 1 (+32) of element j's code (q5_*, Q5_K: qh; Q6_K: both);
+//   d, m: fp16 [N, KB] scale and minimum (q4_1, q5_1) of each block; for the k-quants, [N, KB / 8]: the
+//       super-block's d and dmin;
+//   sc: k-quants, [N, KB, 2] per block: Q4_K/Q5_K uint8 (6-bit scale, 6-bit min), Q6_K int8 (scale of the
+//       first 16 weights, of the last 16).
 struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;
   const uint32_t* qh;
+  const uint32_t* qh2;
+  const uint8_t* sc;
   int64_t N;
   int64_t KB;
   Fmt fmt;
@@ -68,6 +95,7 @@ inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
   if (w.qh) q |= static_cast<int>((w.qh[n * w.KB + b] >> k) & 1u) << 4;
+  if (w.qh2) q |= static_cast<int>((w.qh2[n * w.KB + b] >> k) & 1u) << 5;
   return q - fmt_offset(w.fmt);
 }
 
@@ -106,6 +134,36 @@ inline float half_to_float(uint16_t h) {
   float out;
   std::memcpy(&out, &bits, 4);
   return out;
+}
+
+// fp32 scales of the blocks of row n, exact products of the file's numbers: s0[b] (the block's scale; split
+// formats: its first 16 weights'), s1[b] (the block's minimum, added to each value; split formats: the scale of
+// its last 16 weights; formats with neither leave s1 alone). Blocks [KB, padded) get zeros.
+inline void row_scales_ref(const QWeight& w, int64_t n, float* s0, float* s1, int64_t padded) {
+  const int64_t kb = w.KB;
+  const Fmt f = w.fmt;
+  const bool kq = fmt_kquant(f), has_min = fmt_has_min(f), split = fmt_split(f);
+  for (int64_t b = 0; b < kb; ++b) {
+    if (!kq) {
+      s0[b] = half_to_float(w.d[n * kb + b]);
+      if (has_min) s1[b] = half_to_float(w.m[n * kb + b]);
+      continue;
+    }
+    const int64_t sb = n * (kb / kSuper) + b / kSuper;
+    const float d = half_to_float(w.d[sb]);
+    const uint8_t* sc = w.sc + (n * kb + b) * 2;
+    if (split) {  // int8 scales of the two halves (d fp16 x int8: exact in fp32)
+      s0[b] = d * static_cast<float>(static_cast<int8_t>(sc[0]));
+      s1[b] = d * static_cast<float>(static_cast<int8_t>(sc[1]));
+    } else {  // 6-bit scale and minimum: value = d * sc * q - dmin * mn
+      s0[b] = d * static_cast<float>(sc[0]);
+      s1[b] = -(half_to_float(w.m[sb]) * static_cast<float>(sc[1]));
+    }
+  }
+  for (int64_t b = kb; b < padded; ++b) {
+    s0[b] = 0.0f;
+    if (has_min || split) s1[b] = 0.0f;
+  }
 }
 
 // y[:, n0:n1] = x @ W[n0:n1].T (+ bias[n0:n1]) with y fp32 [M, N] (row stride N).

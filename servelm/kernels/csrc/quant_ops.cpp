@@ -97,7 +97,8 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
 
 // The weight view after checking the op's arguments.
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                const std::optional<at::Tensor>& qh, int64_t fmt, const std::optional<at::Tensor>& bias,
+                const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
+                const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
                 const float** bp) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
@@ -107,43 +108,56 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   const int64_t N = qs.size(0), KB = qs.size(1);
   TORCH_CHECK(x.size(1) == KB * kBlock, "x has ", x.size(1), " columns, the weight ", KB * kBlock);
   TORCH_CHECK(qs.is_contiguous() && qs.element_size() == 1 && qs.size(2) == fmt_payload(f), "qs layout");
-  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N && d.size(1) == KB,
-              "d layout");
-  const bool has_m = m.has_value() && m->defined();
-  TORCH_CHECK(has_m == fmt_has_min(f), "m is given exactly for the formats with a minimum");
-  if (has_m) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
-  const bool has_qh = qh.has_value() && qh->defined();
-  TORCH_CHECK(has_qh == fmt_has_qh(f), "qh is given exactly for the q5 formats");
-  if (has_qh)
-    TORCH_CHECK(qh->is_contiguous() && qh->scalar_type() == at::kInt && qh->sizes() == d.sizes(), "qh layout");
+  const bool kq = fmt_kquant(f);
+  TORCH_CHECK(!kq || KB % kSuper == 0, "k-quant weight: KB must be whole super-blocks");
+  const int64_t scales = kq ? KB / kSuper : KB;  // d and m entries per row
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N &&
+              d.size(1) == scales, "d layout");
+  const auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(present(m) == fmt_has_min(f), "m is given exactly for the formats with a minimum");
+  if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
+  const int planes = fmt_planes(f);
+  TORCH_CHECK(present(qh) == (planes >= 1) && present(qh2) == (planes >= 2), "qh/qh2 do not match the format");
+  for (const auto* t : {&qh, &qh2})
+    if (present(*t))
+      TORCH_CHECK((*t)->is_contiguous() && (*t)->scalar_type() == at::kInt && (*t)->dim() == 2 &&
+                  (*t)->size(0) == N && (*t)->size(1) == KB, "qh layout");
+  TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
+  if (kq)
+    TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->dim() == 3 && sc->size(0) == N &&
+                sc->size(1) == KB && sc->size(2) == 2, "sc layout");
   *bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
     *bp = bias->data_ptr<float>();
   }
+  const auto words = [&](const std::optional<at::Tensor>& t) {
+    return present(t) ? reinterpret_cast<const uint32_t*>(t->data_ptr()) : nullptr;
+  };
   return QWeight{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
-                 has_m ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
-                 has_qh ? reinterpret_cast<const uint32_t*>(qh->data_ptr()) : nullptr, N, KB, f};
+                 present(m) ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, words(qh), words(qh2),
+                 kq ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, N, KB, f};
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
-                  const std::optional<at::Tensor>& qh, int64_t fmt, const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
+                  const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
                   int64_t isa) {
   const float* bp;
-  const QWeight w = checked(x, qs, d, m, qh, fmt, bias, &bp);
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
   const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const GemmFn fn = gemm_for(isa);
-  const bool wide = isa >= kAvx512, has_m = w.m != nullptr;
+  const bool wide = isa >= kAvx512, has_m = fmt_has_min(w.fmt);
   const int64_t KBp = wide ? (KB + 1) / 2 * 2 : KB;
   const Layout layout = wide && fmt != Q8_0 ? kPairs : kNatural;
   at::Tensor xq = at::empty({M, KBp * kBlock}, x.options().dtype(at::kShort));
-  at::Tensor sc = at::empty({M, KBp * (has_m ? 2 : 1) + (layout == kPairs ? KBp * 8 : 0)}, x.options());
-  const int64_t sstride = sc.size(1);
+  at::Tensor xscales = at::empty({M, KBp * (has_m ? 2 : 1) + (layout == kPairs ? KBp * 8 : 0)}, x.options());
+  const int64_t sstride = xscales.size(1);
   const float* xp = x.data_ptr<float>();
   int16_t* qp = xq.data_ptr<int16_t>();
-  float* sp = sc.data_ptr<float>();
+  float* sp = xscales.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     for (int64_t i = m0; i < m1; ++i) {
       float* row = sp + i * sstride;
@@ -171,10 +185,11 @@ int64_t rows_per_tile(int64_t N, int64_t kp, int64_t isa) {
 }
 
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh, int64_t fmt,
+                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
+                        const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
                         const std::optional<at::Tensor>& bias, int64_t isa) {
   const float* bp;
-  const QWeight w = checked(x, qs, d, m, qh, fmt, bias, &bp);
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
   TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "servelm_quant: ISA level ", isa, " is not available here");
   const int64_t N = w.N, M = x.size(0), kp = w.KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -200,8 +215,10 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 
 TORCH_LIBRARY(servelm_quant, lib) {
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
-  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, int fmt, Tensor? bias, int isa) -> Tensor",
+  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
+          "int isa) -> Tensor",
           &servelm_quant::linear);
-  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, int fmt, Tensor? bias, int isa) -> Tensor",
+  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
+          "int isa) -> Tensor",
           &servelm_quant::linear_tiles);
 }

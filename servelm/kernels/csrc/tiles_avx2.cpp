@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "quant_common.h"
 
@@ -13,12 +14,6 @@ namespace tiles_avx2 {
 
 constexpr int MR = 3;
 constexpr int NR = 4;
-
-static inline void scales8(const uint16_t* h, int64_t count, float* out) {
-  alignas(16) uint16_t tmp[8] = {0};
-  std::memcpy(tmp, h, static_cast<size_t>(count) * 2);
-  _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tmp))));
-}
 
 // 16 int8 values (signed) -> two 8-float vectors, times the scale (plus the min when given).
 static inline void store16(__m128i q, bool is_signed, __m256 dv, const __m256* mv, float* o) {
@@ -35,54 +30,50 @@ static inline void store16(__m128i q, bool is_signed, __m256 dv, const __m256* m
   _mm256_storeu_ps(o + 8, fb);
 }
 
-// 16 bits -> 16 bytes: 16 where the bit is set, else 0 (q5's fifth bits).
-static inline __m128i fifth_bits(uint32_t bits16) {
+// 16 bits -> 16 bytes: `value` where the bit is set, else 0 (the q5/q6 plane bits).
+static inline __m128i plane_bits(uint32_t bits16, __m128i value) {
   const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits16)),
                                           _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
   const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
-  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), value);
 }
 
 static void dequant_row(const QWeight& w, int64_t n, float* out) {
   const int64_t kb = w.KB;
-  const uint16_t* d = w.d + n * kb;
-  const uint16_t* m = w.m ? w.m + n * kb : nullptr;
+  thread_local std::vector<float> s0, s1;
+  s0.resize(kb);
+  s1.resize(kb);
+  row_scales_ref(w, n, s0.data(), s1.data(), kb);
+  const bool split = fmt_split(w.fmt), has_min = fmt_has_min(w.fmt);
+  const int planes = fmt_planes(w.fmt);
   const __m128i low4 = _mm_set1_epi8(0x0f);
-  const __m128i eight = _mm_set1_epi8(8);
-  const __m128i sixteen = _mm_set1_epi8(16);
-  alignas(32) float ds[8], ms[8];
-  for (int64_t c = 0; c < kb; c += 8) {
-    const int64_t cnt = std::min<int64_t>(8, kb - c);
-    scales8(d + c, cnt, ds);
-    if (m) scales8(m + c, cnt, ms);
-    for (int64_t i = 0; i < cnt; ++i) {
-      const int64_t b = c + i;
-      const __m256 dv = _mm256_set1_ps(ds[i]);
-      float* o = out + b * kBlock;
-      if (w.fmt == Q8_0) {
-        const uint8_t* q = w.qs + (n * kb + b) * 32;
-        store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), true, dv, nullptr, o);
-        store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)), true, dv, nullptr, o + 16);
-        continue;
-      }
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
-      __m128i lo = _mm_and_si128(raw, low4);
-      __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
-      if (w.qh) {
-        const uint32_t h = w.qh[n * kb + b];
-        lo = _mm_or_si128(lo, fifth_bits(h & 0xFFFFu));
-        hi = _mm_or_si128(hi, fifth_bits(h >> 16));
-      }
-      if (w.fmt == Q4_0 || w.fmt == Q5_0) {
-        const __m128i off = w.fmt == Q4_0 ? eight : sixteen;
-        store16(_mm_sub_epi8(lo, off), true, dv, nullptr, o);
-        store16(_mm_sub_epi8(hi, off), true, dv, nullptr, o + 16);
-      } else {
-        const __m256 mv = _mm256_set1_ps(ms[i]);
-        store16(lo, false, dv, &mv, o);
-        store16(hi, false, dv, &mv, o + 16);
-      }
+  const __m128i offset = _mm_set1_epi8(static_cast<char>(fmt_offset(w.fmt)));
+  const bool is_signed = fmt_offset(w.fmt) != 0;
+  for (int64_t b = 0; b < kb; ++b) {
+    const __m256 dv = _mm256_set1_ps(s0[b]);
+    const __m256 mv = _mm256_set1_ps(s1[b]);
+    float* o = out + b * kBlock;
+    if (w.fmt == Q8_0) {
+      const uint8_t* q = w.qs + (n * kb + b) * 32;
+      store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), true, dv, nullptr, o);
+      store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)), true, dv, nullptr, o + 16);
+      continue;
     }
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
+    __m128i lo = _mm_and_si128(raw, low4);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    for (int p = 0; p < planes; ++p) {
+      const uint32_t h = (p ? w.qh2 : w.qh)[n * kb + b];
+      const __m128i v = _mm_set1_epi8(p ? 32 : 16);
+      lo = _mm_or_si128(lo, plane_bits(h & 0xFFFFu, v));
+      hi = _mm_or_si128(hi, plane_bits(h >> 16, v));
+    }
+    if (is_signed) {
+      lo = _mm_sub_epi8(lo, offset);
+      hi = _mm_sub_epi8(hi, offset);
+    }
+    store16(lo, is_signed, dv, has_min ? &mv : nullptr, o);
+    store16(hi, is_signed, split ? mv : dv, has_min ? &mv : nullptr, o + 16);
   }
 }
 

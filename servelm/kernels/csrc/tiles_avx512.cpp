@@ -65,52 +65,55 @@ static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, i
   regroup16(rows, 16, out);
 }
 
-// The qh words of the 16 rows of group g, block b (q5; zeros for the other formats and rows past N).
-static inline __m512i group_qh(const QWeight& w, int64_t t0, int g, int64_t b) {
-  if (!w.qh) return _mm512_setzero_si512();
+// The plane words (qh or qh2) of the 16 rows of group g, block b (zeros for rows past N or no plane).
+static inline __m512i group_plane(const uint32_t* plane, const QWeight& w, int64_t t0, int g, int64_t b) {
+  if (!plane) return _mm512_setzero_si512();
   alignas(64) uint32_t h[16] = {0};
   const int64_t n0 = t0 + g * 16;
-  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = w.qh[(n0 + i) * w.KB + b];
+  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = plane[(n0 + i) * w.KB + b];
   return _mm512_load_si512(h);
 }
 
-// A nibble (the low 4 bits of each lane of `v`; higher bits are ignored), plus the fifth bit k of `qh` for q5,
-// -> its code as a float: (code - offset), exact. vpermps reads the low 4 bits of each index lane; the q5
-// formats' 32 codes take the two-table vpermt2ps, which reads 5.
+// A nibble (the low 4 bits of each lane of `v`; higher bits are ignored), plus the plane bits k of `p0` (+16)
+// and `p1` (+32), -> its code as a float: (code - offset), exact. vpermps reads the low 4 bits of each index
+// lane; the q5 formats' 32 codes take the two-table vpermt2ps, which reads 5; Q6_K's 64 are computed.
 struct CodeTable {
   __m512 lo, hi;
-  bool five;
-  explicit CodeTable(Fmt f) : five(fmt_has_qh(f)) {
+  int planes;
+  __m512i offset;
+  explicit CodeTable(Fmt f) : planes(fmt_planes(f)), offset(_mm512_set1_epi32(fmt_offset(f))) {
     lo = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                        _mm512_set1_ps(static_cast<float>(fmt_offset(f))));
     hi = _mm512_add_ps(lo, _mm512_set1_ps(16.0f));
   }
-  __m512 lookup(__m512i v, __m512i qh, int k) const {
-    if (!five) return _mm512_permutexvar_ps(v, lo);
-    const __m512i bit = _mm512_and_si512(_mm512_srl_epi32(qh, _mm_cvtsi32_si128(k)), _mm512_set1_epi32(1));
-    const __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_slli_epi32(bit, 4));
-    return _mm512_permutex2var_ps(lo, idx, hi);
+  __m512 lookup(__m512i v, __m512i p0, __m512i p1, int k) const {
+    if (planes == 0) return _mm512_permutexvar_ps(v, lo);
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i b0 = _mm512_and_si512(_mm512_srl_epi32(p0, _mm_cvtsi32_si128(k)), one);
+    __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_slli_epi32(b0, 4));
+    if (planes == 1) return _mm512_permutex2var_ps(lo, idx, hi);
+    const __m512i b1 = _mm512_and_si512(_mm512_srl_epi32(p1, _mm_cvtsi32_si128(k)), one);
+    idx = _mm512_or_si512(idx, _mm512_slli_epi32(b1, 5));
+    return _mm512_cvtepi32_ps(_mm512_sub_epi32(idx, offset));
   }
 };
 
-// Per tile: fp32 scales (and mins) transposed to [block][64 rows]; rows past N get zeros.
+// Per tile: fp32 scales (and mins; Q6_K: the second half's scales) transposed to [block][64 rows]; rows past
+// N get zeros.
 struct TileScales {
-  std::vector<float> d, m, row;
+  std::vector<float> d, m, row0, row1;
   void load(const QWeight& w, int64_t t0) {
     const int64_t kb = w.KB;
+    const bool second = fmt_has_min(w.fmt) || fmt_split(w.fmt);
     d.assign(kb * kTile, 0.0f);
-    if (w.m) m.assign(kb * kTile, 0.0f);
-    row.resize(kb + 16);
+    if (second) m.assign(kb * kTile, 0.0f);
+    row0.resize(kb);
+    row1.resize(kb);
     for (int r = 0; r < kTile && t0 + r < w.N; ++r) {
-      for (int pass = 0; pass < (w.m ? 2 : 1); ++pass) {
-        const uint16_t* h = (pass ? w.m : w.d) + (t0 + r) * kb;
-        float* dst = pass ? m.data() : d.data();
-        int64_t c = 0;
-        for (; c + 16 <= kb; c += 16)
-          _mm512_storeu_ps(row.data() + c, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + c))));
-        for (; c < kb; ++c) row[c] = half_to_float(h[c]);
-        for (int64_t b = 0; b < kb; ++b) dst[b * kTile + r] = row[b];
-      }
+      row_scales_ref(w, t0 + r, row0.data(), row1.data(), kb);
+      for (int64_t b = 0; b < kb; ++b) d[b * kTile + r] = row0[b];
+      if (second)
+        for (int64_t b = 0; b < kb; ++b) m[b * kTile + r] = row1[b];
     }
   }
 };
@@ -124,10 +127,11 @@ static inline void store_ps(float* o, __m512i q, __m512 dv, const __m512* mv) {
 static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileScales& sc, float* out) {
   const int payload = fmt_payload(w.fmt);
   const CodeTable table(w.fmt);
+  const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   for (int g = 0; g < kGroups; ++g) {
     const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
-    const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
-    const __m512i qh = group_qh(w, t0, g, b);
+    const __m512 mv = has_min || split ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
+    const __m512i p0 = group_plane(w.qh, w, t0, g, b), p1 = group_plane(w.qh2, w, t0, g, b);
     float* o = out + g * 16;
     for (int half = 0; half < payload / 16; ++half) {
       __m512i cols[4];
@@ -141,9 +145,9 @@ static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileSca
           continue;
         }
         for (int nib = 0; nib < 2; ++nib) {
-          const __m512 q = table.lookup(_mm512_srl_epi32(v, _mm_cvtsi32_si128(s + 4 * nib)), qh, j + 16 * nib);
-          const __m512 f = _mm512_mul_ps(q, dv);
-          _mm512_storeu_ps(o + (j + 16 * nib) * kTile, w.m ? _mm512_add_ps(f, mv) : f);
+          const __m512 q = table.lookup(_mm512_srl_epi32(v, _mm_cvtsi32_si128(s + 4 * nib)), p0, p1, j + 16 * nib);
+          const __m512 f = _mm512_mul_ps(q, split && nib ? mv : dv);
+          _mm512_storeu_ps(o + (j + 16 * nib) * kTile, has_min ? _mm512_add_ps(f, mv) : f);
         }
       }
     }
@@ -186,9 +190,10 @@ static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, c
                                int64_t kp, __m512 (&acc)[R]) {
   const int payload = fmt_payload(w.fmt);
   const CodeTable table(w.fmt);
+  const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
-  const __m512 mv = w.m ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
-  const __m512i qh = group_qh(w, t0, g, b);
+  const __m512 mv = has_min || split ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
+  const __m512i p0 = group_plane(w.qh, w, t0, g, b), p1 = group_plane(w.qh2, w, t0, g, b);
   for (int half = 0; half < payload / 16; ++half) {
     __m512i cols[4];
     group_bytes(w, t0, g, b, half, cols);
@@ -201,9 +206,10 @@ static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, c
           const __m512i q = _mm512_srai_epi32(_mm512_sll_epi32(cols[j / 4], _mm_cvtsi32_si128(24 - s)), 24);
           wv = _mm512_mul_ps(_mm512_cvtepi32_ps(q), dv);
         } else {
-          const __m512 q = table.lookup(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), qh, j + 16 * nib);
-          wv = _mm512_mul_ps(q, dv);
-          if (w.m) wv = _mm512_add_ps(wv, mv);
+          const __m512 q =
+              table.lookup(_mm512_srl_epi32(cols[j / 4], _mm_cvtsi32_si128(s + 4 * nib)), p0, p1, j + 16 * nib);
+          wv = _mm512_mul_ps(q, split && nib ? mv : dv);
+          if (has_min) wv = _mm512_add_ps(wv, mv);
         }
         for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xk[i * kp + j]), wv, acc[i]);
       }

@@ -1,5 +1,6 @@
 // Portable kernel (any CPU, no SIMD assumptions): the same tiles, a plain in-order dot product per output.
 #include <algorithm>
+#include <vector>
 
 #include "quant_common.h"
 
@@ -11,13 +12,16 @@ constexpr int NR = 4;
 
 static void dequant_row(const QWeight& w, int64_t n, float* out) {
   const int64_t kb = w.KB;
+  thread_local std::vector<float> s0, s1;
+  s0.resize(kb);
+  s1.resize(kb);
+  row_scales_ref(w, n, s0.data(), s1.data(), kb);
+  const bool split = fmt_split(w.fmt), has_min = fmt_has_min(w.fmt);
   for (int64_t b = 0; b < kb; ++b) {
-    const float d = half_to_float(w.d[n * kb + b]);
-    const float m = w.m ? half_to_float(w.m[n * kb + b]) : 0.0f;
     float* o = out + b * kBlock;
     for (int k = 0; k < 32; ++k) {
-      const float v = static_cast<float>(code_at(w, n, b, k)) * d;
-      o[k] = w.m ? v + m : v;
+      const float v = static_cast<float>(code_at(w, n, b, k)) * (split && k >= 16 ? s1[b] : s0[b]);
+      o[k] = has_min ? v + s1[b] : v;
     }
   }
 }
