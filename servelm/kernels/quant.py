@@ -5,8 +5,9 @@ A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one);
-* `qh`, `qh2`: int32 [N, KB] bit planes over the nibbles (bit j is element j's): the fifth bit (+16) of
-  q5_0, q5_1, Q5_K; Q6_K's fifth and sixth (+16, +32);
+* `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K; Q6_K's fifth and
+  sixth (+16, +32); int64 [N, ceil(KB / 2)], one word per pair of blocks in the order the AVX-512 kernel's
+  16-bit lanes come (see `_pair_planes`);
 * `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
@@ -107,10 +108,11 @@ class QuantWeight:
         return self.qs, self.d, self.m, self.qh, self.qh2, self.sc
 
     def replace(self, fn, shape: tuple[int, int]) -> QuantWeight:
-        """The same format with `fn(field, per_super_block)` applied to each present field (d and m are per
-        super-block for the k-quants, every other field per 32-weight block)."""
+        """The same format with `fn(field, kind)` applied to each present field: kind "block" (a column per
+        32-weight block), "super" (d and m of the k-quants: one per super-block) or "plane" (qh, qh2)."""
         sb = block_format(self.fmt).super_block
-        fields = [None if t is None else fn(t, sb and i in (1, 2)) for i, t in enumerate(self.tensors())]
+        kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block")
+        fields = [None if t is None else fn(t, kind) for t, kind in zip(self.tensors(), kinds, strict=True)]
         return QuantWeight(self.fmt, shape, *fields)
 
     @property
@@ -133,10 +135,33 @@ def bytes_per_block(fmt: str) -> int:
     return GGML_QUANT_SIZES[block_format(fmt).ggml][1]
 
 
-def _words(bits: np.ndarray) -> torch.Tensor:
-    """[..., 32] of 0/1 -> int32 [...]: bit j of each word is element j."""
-    w = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
-    return torch.from_numpy(np.ascontiguousarray(w)).view(torch.int32)
+def _words(bits: np.ndarray) -> np.ndarray:
+    """[..., 32] of 0/1 -> uint32 [...]: bit j of each word is element j."""
+    return (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+
+
+def _pair_planes(words: np.ndarray) -> torch.Tensor:
+    """Per-block plane words uint32 [N, KB] (bit k = element k) -> int64 [N, ceil(KB / 2)], one word per pair
+    of blocks (2p, 2p + 1): bits 0..15 block 2p's k 0..15, 16..31 block 2p+1's k 0..15, 32..47 block 2p's
+    k 16..31, 48..63 block 2p+1's k 16..31 (csrc/quant_common.h `plane_bit`): the AVX-512 kernel widens a
+    pair's nibbles to words in that order, so a pair's word is its two lane masks as they are."""
+    w = np.asarray(words, dtype=np.uint32).astype(np.uint64)
+    if w.shape[1] % 2:
+        w = np.pad(w, ((0, 0), (0, 1)))
+    even, odd = w[:, 0::2], w[:, 1::2]
+    lo16 = np.uint64(0xFFFF)
+    out = (even & lo16) | ((odd & lo16) << np.uint64(16)) | ((even >> np.uint64(16)) << np.uint64(32)) | \
+        ((odd >> np.uint64(16)) << np.uint64(48))
+    return torch.from_numpy(np.ascontiguousarray(out)).view(torch.int64)
+
+
+def _block_words(pairs: torch.Tensor, kb: int) -> np.ndarray:
+    """The inverse of `_pair_planes`: uint32 [N, KB]."""
+    p = pairs.contiguous().numpy().view(np.uint64)
+    lo16 = np.uint64(0xFFFF)
+    even = (p & lo16) | (((p >> np.uint64(32)) & lo16) << np.uint64(16))
+    odd = ((p >> np.uint64(16)) & lo16) | ((p >> np.uint64(48)) << np.uint64(16))
+    return np.stack([even, odd], -1).reshape(p.shape[0], -1)[:, :kb].astype(np.uint32)
 
 
 def _nibbles(codes: np.ndarray) -> torch.Tensor:
@@ -165,7 +190,7 @@ def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
         qh = None
         if fmt == "q5_k":  # bit s of byte l of qh: the fifth bit of element l of sub-block s
             raw = blocks[:, 16:48].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            qh = _words((raw & 1).reshape(n, kb, 32))
+            qh = _pair_planes(_words((raw & 1).reshape(n, kb, 32)))
         return QuantWeight(fmt, (n, k), _nibbles(codes), half(0), half(2), qh, None, scales)
     # Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), fp16 d; per half h (128 weights) ql's
     # 64 bytes hold elements 0..63 (low nibbles) and 64..127 (high), qh's 32 bytes four 2-bit fields per byte.
@@ -174,7 +199,8 @@ def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     high = (blocks[:, 128:192].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     high = high.reshape(n, kb, 32)
     scales = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208])).view(n, kb, 2)
-    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _words(high & 1), _words(high >> 1), scales)
+    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _pair_planes(_words(high & 1)),
+                       _pair_planes(_words(high >> 1)), scales)
 
 
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
@@ -203,7 +229,8 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
 
     d = field(0, 2).view(torch.float16).view(n, kb)
     m = field(2, 4).view(torch.float16).view(n, kb) if row.has_min else None
-    qh = field(row.header - 4, row.header).view(torch.int32).view(n, kb) if row.planes else None
+    qh = _pair_planes(blocks[..., row.header - 4: row.header].copy().view(np.uint32).reshape(n, kb)) \
+        if row.planes else None
     qs = field(row.header, bpb)
     if fmt == "q8_0":
         qs = qs.view(torch.int8)
@@ -220,7 +247,8 @@ def to_gguf(qw: QuantWeight) -> np.ndarray:
     if qw.m is not None:
         parts.append(qw.m.view(torch.uint8).view(n, kb, 2))
     if qw.qh is not None:
-        parts.append(qw.qh.view(torch.uint8).view(n, kb, 4))
+        words = torch.from_numpy(np.ascontiguousarray(_block_words(qw.qh, kb))).view(torch.uint8)
+        parts.append(words.view(n, kb, 4))
     parts.append(qw.qs.view(torch.uint8))
     return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
 
@@ -255,9 +283,10 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         q = qs.to(torch.int32)
     else:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
-        for shift, plane in ((4, qh), (5, qh2)):  # bit j of a plane word is element j's
-            if plane is not None:
-                q = q | (((plane.unsqueeze(-1) >> _BITS) & 1) << shift)
+        for shift, plane in ((4, qh), (5, qh2)):
+            if plane is not None:  # per-block words: bit j is element j's
+                words = torch.from_numpy(_block_words(plane, qw.blocks).astype(np.int64))
+                q = q | (((words.unsqueeze(-1) >> _BITS) & 1) << shift).to(torch.int32)
     q = (q - f.offset).to(torch.float32)  # [..., KB, 32]
     if not f.super_block:
         vals = q * d.to(torch.float32).unsqueeze(-1)
@@ -383,8 +412,15 @@ def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
                          f"the {qw.fmt} block size")
     b0, nb = start // BLOCK, -(-length // BLOCK)
     per = SUPER // BLOCK
-    return qw.replace(lambda t, sb: t[:, b0 // per: (b0 + nb) // per].contiguous() if sb
-                      else t[:, b0: b0 + nb].contiguous(), (qw.shape[0], length))
+
+    def cols(t: torch.Tensor, kind: str) -> torch.Tensor:
+        if kind == "super":
+            return t[:, b0 // per: (b0 + nb) // per].contiguous()
+        if kind == "plane":  # pairs of blocks: regrouped from the blocks' own words
+            return _pair_planes(_block_words(t, qw.blocks)[:, b0: b0 + nb])
+        return t[:, b0: b0 + nb].contiguous()
+
+    return qw.replace(cols, (qw.shape[0], length))
 
 
 def cat_rows(parts: list[QuantWeight]) -> QuantWeight:

@@ -40,6 +40,31 @@ static inline void row_scales(const uint16_t* h, int64_t kb, int64_t padded, flo
   for (; c < padded; ++c) out[c] = 0.0f;
 }
 
+// fp32 block scales of one k-quant row (row_scales_ref's exact products), one super-block (8 blocks) a time.
+template <Fmt F>
+static inline void row_scales_k(const QWeight& w, int64_t n, float* s0, float* s1, int64_t padded) {
+  const int64_t kb = w.KB, nsb = kb / kSuper;
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(w.sc + n * kb * 2);
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const __m256 dv = _mm256_set1_ps(half_to_float(w.d[n * nsb + sb]));
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * kSuper));
+    float* a = s0 + sb * kSuper;
+    float* b = s1 + sb * kSuper;
+    if constexpr (Traits<F>::split) {
+      const __m256i v = _mm256_cvtepi8_epi16(raw);
+      _mm256_storeu_ps(a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16))));
+      _mm256_storeu_ps(b, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16))));
+    } else {
+      const __m256i v = _mm256_cvtepu8_epi16(raw);
+      const __m256 mv = _mm256_set1_ps(half_to_float(w.m[n * nsb + sb]));
+      _mm256_storeu_ps(a, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)))));
+      _mm256_storeu_ps(b, _mm256_sub_ps(_mm256_setzero_ps(),
+                                        _mm256_mul_ps(mv, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 16)))));
+    }
+  }
+  for (int64_t c = kb; c < padded; ++c) s0[c] = s1[c] = 0.0f;
+}
+
 static inline float min_term(const float* mrow, const float* xsum, int64_t kb) {
   __m256 acc = _mm256_setzero_ps();
   int64_t c = 0;
@@ -83,7 +108,7 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
         wa[j] = _mm256_and_si256(v, low4);
         wb[j] = _mm256_srli_epi16(v, 4);
         for (int p = 0; p < Traits<F>::planes; ++p) {  // plane bits 0..15 go to wa's words, 16..31 to wb's
-          const uint32_t h = (p ? w.qh2 : w.qh)[(n + j) * kb + b];
+          const uint32_t h = block_word(p ? w.qh2 : w.qh, w, n + j, b);
           const __m256i v = _mm256_set1_epi16(p ? 32 : 16);
           wa[j] = _mm256_or_si256(wa[j], plane_bits(h & 0xFFFFu, v));
           wb[j] = _mm256_or_si256(wb[j], plane_bits(h >> 16, v));
@@ -149,12 +174,12 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
           prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
       }
       for (int p = 0; p < Traits<F>::planes; ++p)
-        for (int64_t c = 0; c < kNr * w.KB * 4; c += 64)
-          prefetch(reinterpret_cast<const char*>((p ? w.qh2 : w.qh) + (n + kAhead) * w.KB) + c);
+        for (int64_t c = 0; c < kNr * plane_stride(w) * 8; c += 64)
+          prefetch(reinterpret_cast<const char*>((p ? w.qh2 : w.qh) + (n + kAhead) * plane_stride(w)) + c);
     }
     for (int j = 0; j < nr; ++j) {
       if constexpr (Traits<F>::kquant) {
-        row_scales_ref(w, n + j, dn + j * ld, mn + j * ld, ld);
+        row_scales_k<F>(w, n + j, dn + j * ld, mn + j * ld, ld);
       } else {
         row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
         if (Traits<F>::has_min) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);

@@ -72,7 +72,9 @@ SERVELM_TRAIT(fmt_payload, payload)
 // One [N, KB * 32] quantised weight, in 32-weight blocks:
 //   qs: q8_0 int8 [N, KB, 32]; the others uint8 [N, KB, 16], element j in the low nibble of byte j, element
 //       j + 16 in the high one;
-//   qh, qh2: uint32 [N, KB], bit j = plane 0 (+16) / plane 1 (+32) of element j's code (q5_*, Q5_K: qh; Q6_K: both);
+//   qh, qh2: bit planes, plane 0 (+16) / plane 1 (+32) of each code (q5_*, Q5_K: qh; Q6_K: both), one uint64 per
+//       pair of blocks (2p, 2p + 1), [N, KP = ceil(KB / 2)], in the order the AVX-512 kernel's words come
+//       (see plane_bit): one mask load per pair, none of the bit shuffling per block a uint32 per block needs;
 //   d, m: fp16 [N, KB] scale and minimum (q4_1, q5_1) of each block; for the k-quants, [N, KB / 8]: the
 //       super-block's d and dmin;
 //   sc: k-quants, [N, KB, 2] per block: Q4_K/Q5_K uint8 (6-bit scale, 6-bit min), Q6_K int8 (scale of the
@@ -81,21 +83,34 @@ struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
   const uint16_t* m;
-  const uint32_t* qh;
-  const uint32_t* qh2;
+  const uint64_t* qh;
+  const uint64_t* qh2;
   const uint8_t* sc;
   int64_t N;
   int64_t KB;
   Fmt fmt;
 };
 
+// Plane words per row.
+inline int64_t plane_stride(const QWeight& w) { return (w.KB + 1) / 2; }
+
+// Bit of element k of block b in its pair's plane word: bits 0..15 are block 2p's k 0..15, 16..31 block
+// 2p+1's k 0..15, 32..47 block 2p's k 16..31, 48..63 block 2p+1's k 16..31.
+inline int plane_bit(int64_t b, int k) { return (k >= 16) * 32 + static_cast<int>(b & 1) * 16 + (k & 15); }
+
+// The 32 bits of block b of row n in one plane (bit k = element k), for the paths that go block by block.
+inline uint32_t block_word(const uint64_t* plane, const QWeight& w, int64_t n, int64_t b) {
+  const uint64_t h = plane[n * plane_stride(w) + b / 2] >> ((b & 1) * 16);
+  return static_cast<uint32_t>(h & 0xFFFFu) | (static_cast<uint32_t>((h >> 32) & 0xFFFFu) << 16);
+}
+
 // The integer code of element k (0..31) of block b of row n (the scalar reference of every path).
 inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
-  if (w.qh) q |= static_cast<int>((w.qh[n * w.KB + b] >> k) & 1u) << 4;
-  if (w.qh2) q |= static_cast<int>((w.qh2[n * w.KB + b] >> k) & 1u) << 5;
+  if (w.qh) q |= static_cast<int>((w.qh[n * plane_stride(w) + b / 2] >> plane_bit(b, k)) & 1u) << 4;
+  if (w.qh2) q |= static_cast<int>((w.qh2[n * plane_stride(w) + b / 2] >> plane_bit(b, k)) & 1u) << 5;
   return q - fmt_offset(w.fmt);
 }
 

@@ -120,8 +120,8 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   TORCH_CHECK(present(qh) == (planes >= 1) && present(qh2) == (planes >= 2), "qh/qh2 do not match the format");
   for (const auto* t : {&qh, &qh2})
     if (present(*t))
-      TORCH_CHECK((*t)->is_contiguous() && (*t)->scalar_type() == at::kInt && (*t)->dim() == 2 &&
-                  (*t)->size(0) == N && (*t)->size(1) == KB, "qh layout");
+      TORCH_CHECK((*t)->is_contiguous() && (*t)->scalar_type() == at::kLong && (*t)->dim() == 2 &&
+                  (*t)->size(0) == N && (*t)->size(1) == (KB + 1) / 2, "qh layout: int64 [N, ceil(KB / 2)]");
   TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
   if (kq)
     TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->dim() == 3 && sc->size(0) == N &&
@@ -132,7 +132,7 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
     *bp = bias->data_ptr<float>();
   }
   const auto words = [&](const std::optional<at::Tensor>& t) {
-    return present(t) ? reinterpret_cast<const uint32_t*>(t->data_ptr()) : nullptr;
+    return present(t) ? reinterpret_cast<const uint64_t*>(t->data_ptr()) : nullptr;
   };
   return QWeight{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                  present(m) ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, words(qh), words(qh2),

@@ -66,11 +66,11 @@ static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, i
 }
 
 // The plane words (qh or qh2) of the 16 rows of group g, block b (zeros for rows past N or no plane).
-static inline __m512i group_plane(const uint32_t* plane, const QWeight& w, int64_t t0, int g, int64_t b) {
+static inline __m512i group_plane(const uint64_t* plane, const QWeight& w, int64_t t0, int g, int64_t b) {
   if (!plane) return _mm512_setzero_si512();
   alignas(64) uint32_t h[16] = {0};
   const int64_t n0 = t0 + g * 16;
-  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = plane[(n0 + i) * w.KB + b];
+  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = block_word(plane, w, n0 + i, b);
   return _mm512_load_si512(h);
 }
 
