@@ -16,12 +16,12 @@ from servelm.kernels import build, quant
 from tests.models.gguf_files import random_k_quant as _random_k
 
 GGML = {fmt: quant.block_format(fmt).ggml for fmt in quant.FORMATS}
-ISAS = ("scalar", "avx2", "avx512", "avx512_vnni")
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8")
 
 
 def _kernel_paths() -> list[str]:
     best = quant.force_backend(None)
-    return ["torch"] if best == "torch" else list(ISAS[: ISAS.index(best) + 1])
+    return ["torch"] if best == "torch" else list(ISAS[: ISAS.index(best) + 1 + (best == "avx512_vnni")])
 
 
 PATHS = _kernel_paths() + (["torch"] if _kernel_paths() != ["torch"] else [])
@@ -41,20 +41,48 @@ def _weight(n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, quan
     return w, quant.quantize(w, fmt)
 
 
-def _code_step(x: torch.Tensor) -> torch.Tensor:
-    """Per element of x, the step of the kernel's int16 codes: 2^(e - 15) for its block's max |x| = f * 2^e."""
+def _code_step(x: torch.Tensor, scheme: str = "int16") -> torch.Tensor:
+    """Per element of x, the step of the kernel's codes: int16 2^(e - 15) for its block's max |x| = f * 2^e,
+    int8 max |x| / 127."""
     k = x.shape[-1]
     blocks = torch.nn.functional.pad(x, (0, -k % quant.BLOCK)).unflatten(-1, (-1, quant.BLOCK))
-    _, e = torch.frexp(blocks.abs().amax(-1, keepdim=True))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    if scheme == "int8":
+        return (amax / 127).expand_as(blocks).flatten(-2)[..., :k]
+    _, e = torch.frexp(amax)
     return torch.ldexp(torch.ones(()), (e - 15).double()).expand_as(blocks).flatten(-2)[..., :k]
+
+
+def _int8_reference(x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
+    """The int8 scheme in float64: x rounded per block of 32 to round(x * 127 / amax), each block's dot product
+    with the weights' codes scaled by d_w * d_x, plus the minimum term on the exact block sums of x."""
+    k = qw.blocks * quant.BLOCK
+    xb = torch.nn.functional.pad(x.double(), (0, k - x.shape[-1])).unflatten(-1, (-1, quant.BLOCK))
+    amax = xb.abs().amax(-1, keepdim=True)
+    codes = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-127, 127)
+    xq = (codes * (amax / 127)).flatten(-2)
+    w = quant.dequantize(qw).double()
+    w = torch.nn.functional.pad(w, (0, k - w.shape[1]))
+    if not quant.block_format(qw.fmt).has_min:
+        return xq @ w.T
+    # value = scale * code + min: the min term reads x itself, the rest the rounded x
+    minimum = quant._unpack(qw).double() - quant.dequantize(_without_min(qw)).double()
+    return xq @ (w - minimum).T + torch.nn.functional.pad(x.double(), (0, k - x.shape[-1])) @ minimum.T
+
+
+def _without_min(qw: quant.QuantWeight) -> quant.QuantWeight:
+    """The same weight with its minimums zeroed (scale * code alone)."""
+    return quant.QuantWeight(qw.fmt, (qw.shape[0], qw.blocks * quant.BLOCK), qw.qs, qw.d, torch.zeros_like(qw.m),
+                             qw.qh, qw.qh2, qw.sc)
 
 
 def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> None:
     w = quant.dequantize(qw).double()
     ref = x.double() @ w.T + (bias.double() if bias is not None else 0)
     bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
-    if quant.kernel_backend() != "torch":  # x rounded to int16 codes: at most half a step per element
-        bound = bound + (_code_step(x.double()) / 2) @ w.abs().T
+    scheme = quant.activation_scheme(qw.fmt)
+    if scheme != "fp32" and x.shape[0] < quant.TILES_MIN_ROWS:  # x rounded to codes: half a step an element
+        bound = bound + (_code_step(x.double(), scheme) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
 
@@ -78,11 +106,27 @@ def test_linear_matches_dequantised_matmul(path, fmt):
 def test_kernel_dequantises_exactly(path, fmt):
     """x = identity: each output is one weight times 1 plus zeros, so the kernel's own dequantised values show."""
     _, qw = _weight(77, 70, fmt, seed=3)
-    for invariant in (False, True):  # the fp32 tile path (70 rows) and the int16 scheme
-        y = quant.linear(torch.eye(70), qw, invariant=invariant)
-        assert torch.equal(y, quant.dequantize(qw).T)
-    for row in (0, 33, 69):  # one row: the int16 scheme either way
-        assert torch.equal(quant.linear(torch.eye(70)[row: row + 1], qw), quant.dequantize(qw).T[row: row + 1])
+    _check_identity(qw, 70)
+
+
+def _check_identity(qw: quant.QuantWeight, k: int) -> None:
+    """x = identity rows through the tile path (70 rows) and the integer scheme: the int16 scheme's power-of-two
+    scales give the dequantised weights bit for bit, the int8 scheme's d_x = 1/127 to fp32 rounding of
+    (d_w * d_x) * 127q (two roundings: 2^-23 of the weight)."""
+    eye, want = torch.eye(k), quant.dequantize(qw).T
+    assert torch.equal(quant.linear(eye[:70], qw), want[:70])  # fp32 tiles
+    # the terms' sizes: |scale * code| + |min| (a minimum adds one more rounding after the product)
+    if quant.block_format(qw.fmt).has_min:
+        scaled = quant.dequantize(_without_min(qw))[:, : qw.shape[1]]
+        terms = (scaled.abs() + (quant.dequantize(qw) - scaled).abs()).T
+    else:
+        terms = want.abs()
+    for rows in (slice(0, 70), slice(33, 34)):
+        got = quant.linear(eye[rows], qw, invariant=True)
+        if quant.activation_scheme(qw.fmt) == "int8":
+            assert bool(((got - want[rows]).abs() <= terms[rows] * 2.0 ** -21).all())
+        else:
+            assert torch.equal(got, want[rows])
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
@@ -106,7 +150,9 @@ def test_linear_is_batch_invariant(path, fmt):
         assert torch.equal(quant.linear(other, qw, bias, invariant=True)[:3], full[:3])
         tiles = quant.linear(x, qw, bias)
         assert not torch.equal(tiles, full)
-        torch.testing.assert_close(tiles, full, rtol=1e-3, atol=2e-3)
+        _check_close(tiles, x, qw, bias)
+        for m in (0, 5, 36):  # the integer scheme's rows, each within its own rounding bound
+            _check_close(full[m: m + 1], x[m: m + 1], qw, bias)
     finally:
         torch.set_num_threads(threads)
 
@@ -114,15 +160,42 @@ def test_linear_is_batch_invariant(path, fmt):
 @pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_vnni_and_plain_avx512_give_the_same_bits(fmt):
-    """Both compute the same exact int32 block sums (vpdpwssd vs vpmaddwd + vpaddd), then the same fp32 steps."""
+    """Both compute the same exact int32 block sums (vpdpwssd vs vpmaddwd + vpaddd), then the same fp32 steps;
+    so does the int8 variant's q8_0, which keeps the int16 scheme."""
     g = torch.Generator().manual_seed(5)
     _, qw = _weight(75, 600, fmt, seed=6)
     x = torch.randn(9, 600, generator=g)
+    isas = ("avx512", "avx512_vnni") + (("avx512_vnni_i8",) if fmt == "q8_0" else ())
     try:
-        outs = [quant.force_backend(isa) and quant.linear(x, qw) for isa in ("avx512", "avx512_vnni")]
+        outs = [quant.force_backend(isa) and quant.linear(x, qw) for isa in isas]
     finally:
         quant.force_backend(None)
-    assert torch.equal(outs[0], outs[1])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def _check_int8_scheme(qw: quant.QuantWeight, k: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    try:
+        assert quant.force_backend("avx512_vnni_i8") and quant.activation_scheme(qw.fmt) == "int8"
+        for m in (1, 2, 3, 7):
+            x = torch.randn(m, k, generator=g)
+            x[0, :32] *= 1000  # blocks of very different scales
+            ref = _int8_reference(x, qw)
+            y = quant.linear(x, qw, invariant=True).double()
+            # fp32 sums of exact integer lanes: 1e-5 of the sum of |terms| (a code that rounds the other way
+            # at an exact tie between fp32 and float64 moves one term by a step: far inside this)
+            scale = (x.double().abs() @ quant.dequantize(qw).double().abs().T)
+            assert bool(((y - ref).abs() <= 1e-5 * scale + 1e-6).all()), float(((y - ref).abs() / scale).max())
+    finally:
+        quant.force_backend(None)
+
+
+@pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", [f for f in quant.QUANTIZE_FORMATS if f != "q8_0"])
+def test_int8_scheme_matches_its_reference(fmt):
+    """The nibble formats under VNNI: x rounded per block to int8 codes (llama.cpp's Q8_0 activations), exact
+    int32 dot products with the offset taken out in the integers, fp32 scaling: as the float64 reference."""
+    _check_int8_scheme(_weight(75, 600, fmt, seed=6)[1], 600, seed=5)
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
@@ -267,10 +340,7 @@ def test_k_quant_linear_matches_dequantised_matmul(path, fmt):
 @pytest.mark.parametrize("fmt", K_QUANTS)
 def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
     _, qw = _random_k(fmt, 77, 512, seed=3)
-    eye = torch.eye(512)
-    for invariant in (False, True):  # the fp32 tile path (70 rows) and the int16 scheme
-        assert torch.equal(quant.linear(eye[:70], qw, invariant=invariant), quant.dequantize(qw).T[:70])
-    assert torch.equal(quant.linear(eye[300:301], qw), quant.dequantize(qw).T[300:301])
+    _check_identity(qw, 512)
     x = torch.randn(37, 512, generator=torch.Generator().manual_seed(4))
     full = quant.linear(x, qw, invariant=True)
     for m in (0, 5, 36):
@@ -279,14 +349,8 @@ def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
 
 @pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", K_QUANTS)
-def test_k_quant_vnni_and_plain_avx512_give_the_same_bits(fmt):
-    _, qw = _random_k(fmt, 75, 512, seed=6)
-    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5))
-    try:
-        outs = [quant.force_backend(isa) and quant.linear(x, qw) for isa in ("avx512", "avx512_vnni")]
-    finally:
-        quant.force_backend(None)
-    assert torch.equal(outs[0], outs[1])
+def test_k_quant_int8_scheme_matches_its_reference(fmt):
+    _check_int8_scheme(_random_k(fmt, 75, 512, seed=6)[1], 512, seed=5)
 
 
 @pytest.mark.parametrize("fmt", K_QUANTS)

@@ -125,6 +125,11 @@ struct XQ {
   int64_t M;
   int64_t KBp;
   int64_t ss;  // row stride (floats) of s, xsum and spair: row i's scales are at s + i * ss
+  // The int8 scheme (AVX-512 VNNI, the nibble formats): codes int8 [M][KBp * 32] in the pair layout instead
+  // of q, s the fp32 scales d = amax / 127 (not powers of two), spair those scales per lane of a pair's
+  // vpdpbusd ([b x4, b+1 x4, b x4, b+1 x4]), corr [M][KBp / 2][16] -offset * each lane's sum of codes.
+  const int8_t* q8 = nullptr;
+  const int32_t* corr = nullptr;
 };
 
 // Code layouts of one row of x: natural order, or (AVX-512, q4) per pair of blocks (b, b + 1):
@@ -188,6 +193,9 @@ void gemm_scalar(const XQ&, const QWeight&, const float*, float*, int64_t, int64
 void gemm_avx2(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 void gemm_avx512(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 void gemm_avx512_vnni(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
+// The int8 scheme (x.q8): vpdpbusd of the weights' unsigned codes with x's int8 codes, 64 weights an
+// instruction (the int16 scheme's vpdpwssd: 32), exact int32 lane sums corrected for the offset, then as above.
+void gemm_avx512_vnni_i8(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x

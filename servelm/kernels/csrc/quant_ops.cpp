@@ -14,7 +14,14 @@
 namespace servelm_quant {
 namespace {
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+// kAvx512VnniI8 is not an ISA of its own: AVX-512 VNNI with the int8-activation scheme for the nibble formats,
+// chosen only on request (SERVELM_QUANT_KERNEL=avx512_vnni_i8; see servelm.kernels.quant.activation_scheme).
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512VnniI8 = 4 };
+
+// The highest level `isa` may name on this CPU (best_isa(), or the int8 variant of VNNI).
+inline bool isa_available(int64_t isa, int64_t best) {
+  return isa >= kScalar && (isa <= best || (isa == kAvx512VnniI8 && best == kAvx512Vnni));
+}
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -30,9 +37,9 @@ int64_t best_isa() {
 }
 
 GemmFn gemm_for(int64_t isa) {
-  TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "servelm_quant: ISA level ", isa, " is not available here");
+  TORCH_CHECK(isa_available(isa, best_isa()), "servelm_quant: ISA level ", isa, " is not available here");
 #if defined(__x86_64__) || defined(_M_X64)
-  if (isa == kAvx512Vnni) return gemm_avx512_vnni;
+  if (isa >= kAvx512Vnni) return gemm_avx512_vnni;
   if (isa == kAvx512) return gemm_avx512;
   if (isa == kAvx2) return gemm_avx2;
 #endif
@@ -95,6 +102,60 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
   }
 }
 
+// One row of x for the int8 scheme: per block of 32, d = amax / 127 and codes round(x * 127 / amax) in
+// [-127, 127] (llama.cpp's Q8_0 rounding of activations, d kept in fp32), written in the pair layout (see
+// XQ); the fp32 block sums (formats with a minimum), the lane scales of each pair and -offset * each
+// lane's sum of codes (formats with an offset). Blocks KB..KBp-1 are zero padding.
+void prep_row_i8(const float* x, int64_t KB, int64_t KBp, int offset, int8_t* q, float* s, float* xsum,
+                 float* spair, int32_t* corr) {
+  for (int64_t b = 0; b < KBp; ++b) {
+    int8_t code[kBlock] = {0};
+    float scale = 0.0f, sum = 0.0f;
+    if (b < KB) {
+      const float* xb = x + b * kBlock;
+      float pmax[8] = {0}, psum[8] = {0};
+      for (int k0 = 0; k0 < kBlock; k0 += 8)
+        for (int l = 0; l < 8; ++l) {
+          pmax[l] = std::max(pmax[l], std::fabs(xb[k0 + l]));
+          psum[l] += xb[k0 + l];
+        }
+      for (int h = 4; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) {
+          pmax[l] = std::max(pmax[l], pmax[l + h]);
+          psum[l] += psum[l + h];
+        }
+      const float amax = pmax[0];
+      sum = psum[0];
+      if (!std::isfinite(amax) || std::isnan(sum)) {
+        scale = std::numeric_limits<float>::quiet_NaN();
+      } else if (amax > 0.0f) {
+        scale = amax / 127.0f;
+        const float inv = 127.0f / amax;
+        float v[kBlock];
+        for (int k = 0; k < kBlock; ++k) v[k] = (xb[k] * inv + 12582912.0f) - 12582912.0f;  // nearest even
+        for (int k = 0; k < kBlock; ++k) code[k] = static_cast<int8_t>(std::clamp(v[k], -127.0f, 127.0f));
+      }
+    }
+    s[b] = scale;
+    if (xsum) xsum[b] = sum;
+    const int64_t p = b / 2, e = b % 2;
+    int8_t* pq = q + p * 2 * kBlock + e * 16;
+    std::memcpy(pq, code, 16);
+    std::memcpy(pq + kBlock, code + 16, 16);
+    for (int l = 0; l < 4; ++l) spair[p * 16 + e * 4 + l] = spair[p * 16 + 8 + e * 4 + l] = scale;
+    if (corr)
+      for (int l = 0; l < 4; ++l) {
+        int32_t lo = 0, hi = 0;
+        for (int t = 0; t < 4; ++t) {
+          lo += code[4 * l + t];
+          hi += code[16 + 4 * l + t];
+        }
+        corr[p * 16 + e * 4 + l] = -offset * lo;
+        corr[p * 16 + 8 + e * 4 + l] = -offset * hi;
+      }
+  }
+}
+
 // The weight view after checking the op's arguments.
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                 const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
@@ -150,6 +211,37 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   if (M == 0 || N == 0) return y;
   const GemmFn fn = gemm_for(isa);
   const bool wide = isa >= kAvx512, has_m = fmt_has_min(w.fmt);
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == kAvx512VnniI8 && w.fmt != Q8_0) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
+    const int64_t KBp = (KB + 1) / 2 * 2, pairs = KBp / 2;
+    const int off = fmt_offset(w.fmt);
+    // per row: s [KBp] | xsum [KBp] | spair [pairs * 16] | padding read by the minimum term up to 16-rounded KB
+    const int64_t sstride = KBp * 2 + pairs * 16 + 16;
+    at::Tensor xq = at::empty({M, KBp * kBlock}, x.options().dtype(at::kChar));
+    at::Tensor xs = at::zeros({M, sstride}, x.options());
+    at::Tensor xc = at::empty({off ? M : 0, pairs * 16}, x.options().dtype(at::kInt));
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = xq.data_ptr<int8_t>();
+    float* sp = xs.data_ptr<float>();
+    int32_t* cp = off ? xc.data_ptr<int32_t>() : nullptr;
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i) {
+        float* row = sp + i * sstride;
+        prep_row_i8(xp + i * kp, KB, KBp, off, qp + i * KBp * kBlock, row, row + KBp, row + 2 * KBp,
+                    cp ? cp + i * pairs * 16 : nullptr);
+      }
+    });
+    XQ xv{nullptr, sp, sp + KBp, sp + 2 * KBp, M, KBp, sstride};
+    xv.q8 = qp;
+    xv.corr = cp;
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t kRows = 16;
+    at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
+      gemm_avx512_vnni_i8(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
+    });
+    return y;
+  }
+#endif
   const int64_t KBp = wide ? (KB + 1) / 2 * 2 : KB;
   const Layout layout = wide && fmt != Q8_0 ? kPairs : kNatural;
   at::Tensor xq = at::empty({M, KBp * kBlock}, x.options().dtype(at::kShort));
@@ -190,7 +282,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                         const std::optional<at::Tensor>& bias, int64_t isa) {
   const float* bp;
   const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
-  TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "servelm_quant: ISA level ", isa, " is not available here");
+  TORCH_CHECK(isa_available(isa, best_isa()), "servelm_quant: ISA level ", isa, " is not available here");
   const int64_t N = w.N, M = x.size(0), kp = w.KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
