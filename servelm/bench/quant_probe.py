@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="servelm bench quant", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--m", default="1,4,16,64,256", help="Rows of x (batch tokens), comma-separated.")
-    parser.add_argument("--formats", default=",".join(quant.FORMATS))
+    parser.add_argument("--formats", default=",".join(quant.QUANTIZE_FORMATS))
     parser.add_argument("--isa", default=None, help="Force the kernel path (scalar, avx2, avx512, avx512_vnni, torch).")
     parser.add_argument("--shapes", default=None, help="Only these shape names (comma-separated).")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own).")

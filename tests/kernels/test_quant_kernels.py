@@ -269,9 +269,9 @@ def test_row_and_column_operations(fmt):
     assert torch.equal(quant.dequantize(quant.permute_rows(permuted, torch.argsort(perm))), full)
     left, right = quant.narrow_cols(qw, 0, 64), quant.narrow_cols(qw, 64, 36)  # the tail may end off-block
     assert torch.equal(quant.dequantize(left), full[:, :64]) and torch.equal(quant.dequantize(right), full[:, 64:])
-    x = torch.randn(4, 100)
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(10))
     split = quant.linear(x[:, :64], left) + quant.linear(x[:, 64:], right)  # row-parallel TP: partial sums
-    torch.testing.assert_close(split, quant.linear(x, qw), rtol=1e-5, atol=1e-5)
+    assert bool(((split - quant.linear(x, qw)).abs() <= 1e-6 * (x.abs() @ full.abs().T)).all())
     with pytest.raises(ValueError, match="differ"):
         quant.cat_rows([qw, quant.narrow_cols(qw, 0, 64)])
 
@@ -363,9 +363,11 @@ def test_k_quant_row_and_column_operations(fmt):
     assert torch.equal(quant.dequantize(quant.permute_rows(qw, perm)), full[perm])
     left, right = quant.narrow_cols(qw, 0, 256), quant.narrow_cols(qw, 256, 512)  # whole super-blocks
     assert torch.equal(quant.dequantize(left), full[:, :256]) and torch.equal(quant.dequantize(right), full[:, 256:])
-    x = torch.randn(4, 768)
-    split = quant.linear(x[:, :256], left) + quant.linear(x[:, 256:], right)
-    torch.testing.assert_close(split, quant.linear(x, qw), rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 768, generator=torch.Generator().manual_seed(10))
+    split = quant.linear(x[:, :256], left) + quant.linear(x[:, 256:], right)  # row-parallel TP: partial sums
+    # the same codes and block products; only the fp32 summation order differs: a few ulps of the sum of |terms|
+    terms = x.abs() @ full.abs().T
+    assert bool(((split - quant.linear(x, qw)).abs() <= 1e-6 * terms).all())
     with pytest.raises(ValueError, match="multiples of 256"):
         quant.narrow_cols(qw, 128, 128)  # inside a super-block: its d and scales cannot be split
     with pytest.raises(ValueError, match="not one of"):
