@@ -46,6 +46,24 @@ GemmFn gemm_for(int64_t isa) {
   return gemm_scalar;
 }
 
+// max |x| and the fp32 sum of one block of 32: eight partial maxima and sums (k % 8), combined in a fixed tree
+// (vectorisable, unlike one running sum). The sum is nan when x has one (the max skips nan).
+inline void block_stats(const float* xb, float* amax, float* sum) {
+  float pmax[8] = {0}, psum[8] = {0};
+  for (int k0 = 0; k0 < kBlock; k0 += 8)
+    for (int l = 0; l < 8; ++l) {
+      pmax[l] = std::max(pmax[l], std::fabs(xb[k0 + l]));
+      psum[l] += xb[k0 + l];
+    }
+  for (int h = 4; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) {
+      pmax[l] = std::max(pmax[l], pmax[l + h]);
+      psum[l] += psum[l + h];
+    }
+  *amax = pmax[0];
+  *sum = psum[0];
+}
+
 // One row of x (KB * 32 floats) -> int16 codes in `layout`, block scales, fp32 block sums (blocks KB..KBp-1
 // are zero padding).
 void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q, float* s, float* xsum,
@@ -55,20 +73,8 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
     float scale = 0.0f, sum = 0.0f;
     if (b < KB) {
       const float* xb = x + b * kBlock;
-      // Eight partial maxima and sums (k % 8), combined in a fixed tree: vectorisable, unlike one running sum.
-      float pmax[8] = {0}, psum[8] = {0};
-      for (int k0 = 0; k0 < kBlock; k0 += 8)
-        for (int l = 0; l < 8; ++l) {
-          pmax[l] = std::max(pmax[l], std::fabs(xb[k0 + l]));
-          psum[l] += xb[k0 + l];
-        }
-      for (int h = 4; h >= 1; h /= 2)
-        for (int l = 0; l < h; ++l) {
-          pmax[l] = std::max(pmax[l], pmax[l + h]);
-          psum[l] += psum[l + h];
-        }
-      const float amax = pmax[0];
-      sum = psum[0];  // nan when x has one (the max skips nan)
+      float amax;
+      block_stats(xb, &amax, &sum);
       if (!std::isfinite(amax) || std::isnan(sum)) {
         scale = std::numeric_limits<float>::quiet_NaN();  // inf/nan in x: every output it touches is nan
       } else if (amax > 0.0f) {
@@ -113,19 +119,8 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBp, int offset, int8_t* q,
     float scale = 0.0f, sum = 0.0f;
     if (b < KB) {
       const float* xb = x + b * kBlock;
-      float pmax[8] = {0}, psum[8] = {0};
-      for (int k0 = 0; k0 < kBlock; k0 += 8)
-        for (int l = 0; l < 8; ++l) {
-          pmax[l] = std::max(pmax[l], std::fabs(xb[k0 + l]));
-          psum[l] += xb[k0 + l];
-        }
-      for (int h = 4; h >= 1; h /= 2)
-        for (int l = 0; l < h; ++l) {
-          pmax[l] = std::max(pmax[l], pmax[l + h]);
-          psum[l] += psum[l + h];
-        }
-      const float amax = pmax[0];
-      sum = psum[0];
+      float amax;
+      block_stats(xb, &amax, &sum);
       if (!std::isfinite(amax) || std::isnan(sum)) {
         scale = std::numeric_limits<float>::quiet_NaN();
       } else if (amax > 0.0f) {
