@@ -4,8 +4,9 @@
 // a power-of-two scale s (|x| / s <= 32767, rounded to nearest even); a block's dot product with the weight's
 // integer codes is exact int32 arithmetic (vpdpwssd / vpmaddwd; the SIMD paths' lanes stay below 2^24, so their
 // conversion to fp32 is exact too, the scalar path's whole-block sum may round); it is scaled by s (a power of two)
-// and the weight's fp16 scale d, and added to fp32 lane accumulators in block order; the lanes are summed in
-// one fixed tree, then q4_1's minimum term (sum over blocks of m * the fp32 sum of x's block) and the bias.
+// and the weight's scale (fp16 d, or the k-quants' d * sc, an exact fp32 product), and added to fp32 lane
+// accumulators in block order; the lanes are summed in one fixed tree, then the minimum term of q4_1, q5_1,
+// Q4_K and Q5_K (sum over blocks of m * the fp32 sum of x's block) and the bias.
 // Every output element is therefore one fixed sequence of operations on its own row of x and of W, whatever
 // M is, however rows are grouped into micro-tiles and however threads split N: batch-invariant.
 #pragma once
@@ -115,8 +116,8 @@ inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
 }
 
 // x prepared for one ISA: int16 codes [M][KBp * 32] in that ISA's layout, block scales s [M][KBp] (padding
-// blocks: 0), fp32 block sums [M][KBp] (formats with a minimum only), and for the AVX-512 q4 layout the scales of each pair of
-// blocks spread over 16 lanes, [M][KBp / 2][16] (all three with the row stride `ss`).
+// blocks: 0), fp32 block sums [M][KBp] (formats with a minimum only), and for the AVX-512 nibble layout the
+// scales of each pair of blocks spread over 16 lanes, [M][KBp / 2][16] (all three with the row stride `ss`).
 struct XQ {
   const int16_t* q;
   const float* s;
