@@ -52,7 +52,7 @@ class BlockFormat:
     payload: int  # bytes of codes per 32-weight block (qs)
     offset: int = 0  # value = scale * (code - offset) (+ min)
     has_min: bool = False  # a minimum added to each value (q4_1, q5_1; Q4_K/Q5_K: -dmin * 6-bit min)
-    planes: int = 0  # uint32 bit planes per block over the nibbles: q5 1 (qh, +16), Q6_K 2 (qh, qh2: +16, +32)
+    planes: int = 0  # bit planes over the nibbles: q5 1 (qh, +16), Q6_K 2 (qh, qh2: +16, +32)
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
 
     @property
@@ -126,10 +126,6 @@ def block_format(fmt: str) -> BlockFormat:
     return _REGISTRY[fmt]
 
 
-def _check_fmt(fmt: str) -> None:
-    block_format(fmt)
-
-
 def bytes_per_block(fmt: str) -> int:
     """Bytes of one block of the file (32 weights; 256 for the k-quants)."""
     return GGML_QUANT_SIZES[block_format(fmt).ggml][1]
@@ -172,8 +168,8 @@ def _nibbles(codes: np.ndarray) -> torch.Tensor:
 
 def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     """A weight from k-quant super-blocks `blocks` uint8 [n * nsb, bytes]: the same bits, rearranged into
-    32-weight blocks (nibbles in the q4 layout, fifth/sixth bits as uint32 planes, each block's two scale
-    bytes) beside the super-blocks' fp16 d (and dmin)."""
+    32-weight blocks (nibbles in the q4 layout, fifth/sixth bits as plane words per pair of blocks, each block's
+    two scale bytes) beside the super-blocks' fp16 d (and dmin)."""
     kb, nsb = k // BLOCK, k // SUPER
     b = blocks.shape[0]
 

@@ -225,9 +225,6 @@ class GGUFModelSource(ModelSource):
             if len(shape) == 2 and (fmt in keep_formats or (fmt in embedding_formats
                                                             and hf_name == EMBEDDING_NAME)):
                 qw = quant.from_gguf(t.data, fmt, shape)
-            else:
-                qw = None
-            if qw is not None:
                 if heads:
                     qw = quant.permute_rows(qw, torch.from_numpy(unpermute_qk(np.arange(shape[0]), heads)))
                 yield hf_name, qw
