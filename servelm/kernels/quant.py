@@ -308,10 +308,11 @@ def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return rows.reshape(*ids.shape, qw.shape[1])
 
 
-# "avx512_vnni_i8" is AVX-512 VNNI with int8 activations for the nibble formats (`activation_scheme`), on request
-# only: on the default model it scores perplexity +0.14% and teacher-forced top-1 agreement 93.3% against fp32
-# (the int16 scheme: -0.01%, 100%), for a kernel 1.2-1.4x faster in isolation and no end-to-end gain measured
-# within this machine's noise (docs/measurements/quant-kernels.md).
+# "avx512_vnni_i8" is AVX-512 VNNI with int8 activations for the nibble formats (`activation_scheme`), the
+# default where the CPU has VNNI: x rounded per block of 32 as llama.cpp's q8_0 / q8_1 activations, vpdpbusd
+# over four blocks a step. On the default model it scores perplexity +0.31% and teacher-forced top-1
+# agreement 97.2% against fp32 (the int16 scheme, still "avx512_vnni": -0.01%, 100%), for a decode kernel
+# 1.6-1.8x faster on Q4_0 / Q4_K / Q5_0 shapes of a 1B model (docs/measurements/quant-kernels.md).
 _ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8")
 _backend: str | None = None  # resolved once (see kernel_backend); force_backend() changes it
 
@@ -322,8 +323,8 @@ def _best_isa() -> str:
 
 
 def force_backend(name: str | None) -> str:
-    """Use the path `name` ("scalar", "avx2", "avx512", "avx512_vnni", "torch"; None: the best this machine has)
-    from now on.
+    """Use the path `name` ("scalar", "avx2", "avx512", "avx512_vnni" (int16 activations), "avx512_vnni_i8"
+    (int8), "torch"; None: the best this machine has) from now on.
 
     A faster ISA than the CPU has is an error; where the kernel cannot be built every name but "torch" gives
     the torch path. Returns the path in use. The `SERVELM_QUANT_KERNEL` variable does the same at start-up.
@@ -336,12 +337,13 @@ def force_backend(name: str | None) -> str:
     top = _ISA_NAMES.index(best) + (best == "avx512_vnni") if best != "torch" else 0  # + the int8 variant
     if forced and best != "torch" and _ISA_NAMES.index(forced) > top:
         raise ValueError(f"quantised-kernel path {forced!r}: this CPU supports at most {best}")
-    _backend = forced if forced and best != "torch" else best
+    _backend = forced if forced and best != "torch" else ("avx512_vnni_i8" if best == "avx512_vnni" else best)
     return _backend
 
 
 def kernel_backend() -> str:
-    """The path `linear` takes: "avx512_vnni", "avx512", "avx2", "scalar" (the C++ kernel) or "torch" (none here).
+    """The path `linear` takes: "avx512_vnni_i8", "avx512_vnni", "avx512", "avx2", "scalar" (the C++ kernel) or
+    "torch" (none here).
 
     The first call builds or loads the kernel (see `servelm.kernels.build`).
     """
@@ -350,7 +352,8 @@ def kernel_backend() -> str:
 
 def activation_scheme(fmt: str) -> str:
     """How `linear` rounds x for a weight in `fmt` at decode (and at every row count in deterministic mode):
-    "int8" (path avx512_vnni_i8, on request, the nibble formats: per block of 32, d = amax / 127, vpdpbusd),
+    "int8" (path avx512_vnni_i8, the default with VNNI, the nibble formats: per block of 32, d = amax / 127,
+    vpdpbusd),
     "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path)."""
     backend = kernel_backend()
     if backend == "torch":

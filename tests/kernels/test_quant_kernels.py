@@ -54,20 +54,16 @@ def _code_step(x: torch.Tensor, scheme: str = "int16") -> torch.Tensor:
 
 
 def _int8_reference(x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
-    """The int8 scheme in float64: x rounded per block of 32 to round(x * 127 / amax), each block's dot product
-    with the weights' codes scaled by d_w * d_x, plus the minimum term on the exact block sums of x."""
+    """The int8 scheme in float64: x rounded per block of 32 to round(x * 127 / amax), the whole weight (codes
+    and minimum) against the rounded x: the minimum term reads the sum of the rounded block, as llama.cpp's
+    q8_1 (the exact sum of x would leave an error of sum(d * code * e), as large as |w - m|)."""
     k = qw.blocks * quant.BLOCK
     xb = torch.nn.functional.pad(x.double(), (0, k - x.shape[-1])).unflatten(-1, (-1, quant.BLOCK))
     amax = xb.abs().amax(-1, keepdim=True)
     codes = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-127, 127)
     xq = (codes * (amax / 127)).flatten(-2)
     w = quant.dequantize(qw).double()
-    w = torch.nn.functional.pad(w, (0, k - w.shape[1]))
-    if not quant.block_format(qw.fmt).has_min:
-        return xq @ w.T
-    # value = scale * code + min: the min term reads x itself, the rest the rounded x
-    minimum = quant._unpack(qw).double() - quant.dequantize(_without_min(qw)).double()
-    return xq @ (w - minimum).T + torch.nn.functional.pad(x.double(), (0, k - x.shape[-1])) @ minimum.T
+    return xq @ torch.nn.functional.pad(w, (0, k - w.shape[1])).T
 
 
 def _without_min(qw: quant.QuantWeight) -> quant.QuantWeight:

@@ -126,9 +126,11 @@ struct XQ {
   int64_t M;
   int64_t KBp;
   int64_t ss;  // row stride (floats) of s, xsum and spair: row i's scales are at s + i * ss
-  // The int8 scheme (AVX-512 VNNI, the nibble formats): codes int8 [M][KBp * 32] in the pair layout instead
-  // of q, s the fp32 scales d = amax / 127 (not powers of two), spair those scales per lane of a pair's
-  // vpdpbusd ([b x4, b+1 x4, b x4, b+1 x4]), corr [M][KBp / 2][16] -offset * each lane's sum of codes.
+  // The int8 scheme (AVX-512 VNNI, the nibble formats): KBp is KB rounded up to whole quads (4 blocks), codes
+  // int8 [M][KBp * 32] in the quad layout instead of q, s the fp32 scales d = amax / 127 (not powers of two),
+  // xsum d * the sum of the block's codes, spair the scales per lane of a quad's vpdpbusd ([b x4, b+1 x4,
+  // b+2 x4, b+3 x4]), corr [M][KBp / 4][32] -offset * each lane's sum of codes (first 16: the low nibbles'
+  // lanes, or both halves' where a block has one scale; last 16: the high nibbles', split formats).
   const int8_t* q8 = nullptr;
   const int32_t* corr = nullptr;
 };
