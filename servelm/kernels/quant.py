@@ -6,8 +6,8 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one);
 * `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K; Q6_K's fifth and
-  sixth (+16, +32); int64 [N, ceil(KB / 2)], one word per pair of blocks in the order the AVX-512 kernel's
-  16-bit lanes come (see `_pair_planes`);
+  sixth (+16, +32); int64 [N, 2 * ceil(KB / 4)], two words per quad of blocks (four blocks' k 0..15, then
+  their k 16..31) in the order the AVX-512 kernels' lanes come (see `_quad_planes`);
 * `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
@@ -136,28 +136,29 @@ def _words(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32)
 
 
-def _pair_planes(words: np.ndarray) -> torch.Tensor:
-    """Per-block plane words uint32 [N, KB] (bit k = element k) -> int64 [N, ceil(KB / 2)], one word per pair
-    of blocks (2p, 2p + 1): bits 0..15 block 2p's k 0..15, 16..31 block 2p+1's k 0..15, 32..47 block 2p's
-    k 16..31, 48..63 block 2p+1's k 16..31 (csrc/quant_common.h `plane_bit`): the AVX-512 kernel widens a
-    pair's nibbles to words in that order, so a pair's word is its two lane masks as they are."""
+def _quad_planes(words: np.ndarray) -> torch.Tensor:
+    """Per-block plane words uint32 [N, KB] (bit k = element k) -> int64 [N, 2 * ceil(KB / 4)], two words per
+    quad of blocks (4q .. 4q + 3): word 2q has bits 16e + k = block 4q + e's element k (k 0..15), word 2q + 1
+    bits 16e + (k - 16) (k 16..31) (csrc/quant_common.h `plane_word`): the AVX-512 int8 kernel's low and high
+    nibbles of a quad are 64 bytes in that order, so each word is one byte mask as it is; the int16 kernel's
+    pair of blocks is a word's low or high half."""
     w = np.asarray(words, dtype=np.uint32).astype(np.uint64)
-    if w.shape[1] % 2:
-        w = np.pad(w, ((0, 0), (0, 1)))
-    even, odd = w[:, 0::2], w[:, 1::2]
-    lo16 = np.uint64(0xFFFF)
-    out = (even & lo16) | ((odd & lo16) << np.uint64(16)) | ((even >> np.uint64(16)) << np.uint64(32)) | \
-        ((odd >> np.uint64(16)) << np.uint64(48))
+    if w.shape[1] % 4:
+        w = np.pad(w, ((0, 0), (0, 4 - w.shape[1] % 4)))
+    quads = w.reshape(w.shape[0], -1, 4)
+    lo16, shifts = np.uint64(0xFFFF), np.arange(4, dtype=np.uint64) * np.uint64(16)
+    lo = ((quads & lo16) << shifts).sum(-1, dtype=np.uint64)
+    hi = ((quads >> np.uint64(16)) << shifts).sum(-1, dtype=np.uint64)
+    out = np.stack([lo, hi], -1).reshape(w.shape[0], -1)
     return torch.from_numpy(np.ascontiguousarray(out)).view(torch.int64)
 
 
-def _block_words(pairs: torch.Tensor, kb: int) -> np.ndarray:
-    """The inverse of `_pair_planes`: uint32 [N, KB]."""
-    p = pairs.contiguous().numpy().view(np.uint64)
-    lo16 = np.uint64(0xFFFF)
-    even = (p & lo16) | (((p >> np.uint64(32)) & lo16) << np.uint64(16))
-    odd = ((p >> np.uint64(16)) & lo16) | ((p >> np.uint64(48)) << np.uint64(16))
-    return np.stack([even, odd], -1).reshape(p.shape[0], -1)[:, :kb].astype(np.uint32)
+def _block_words(quads: torch.Tensor, kb: int) -> np.ndarray:
+    """The inverse of `_quad_planes`: uint32 [N, KB]."""
+    p = quads.contiguous().numpy().view(np.uint64).reshape(quads.shape[0], -1, 2, 1)
+    lo16, shifts = np.uint64(0xFFFF), np.arange(4, dtype=np.uint64) * np.uint64(16)
+    lo, hi = (p[:, :, 0] >> shifts) & lo16, (p[:, :, 1] >> shifts) & lo16
+    return (lo | (hi << np.uint64(16))).reshape(p.shape[0], -1)[:, :kb].astype(np.uint32)
 
 
 def _nibbles(codes: np.ndarray) -> torch.Tensor:
@@ -168,7 +169,7 @@ def _nibbles(codes: np.ndarray) -> torch.Tensor:
 
 def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     """A weight from k-quant super-blocks `blocks` uint8 [n * nsb, bytes]: the same bits, rearranged into
-    32-weight blocks (nibbles in the q4 layout, fifth/sixth bits as plane words per pair of blocks, each block's
+    32-weight blocks (nibbles in the q4 layout, fifth/sixth bits as plane words per quad of blocks, each block's
     two scale bytes) beside the super-blocks' fp16 d (and dmin)."""
     kb, nsb = k // BLOCK, k // SUPER
     b = blocks.shape[0]
@@ -186,7 +187,7 @@ def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
         qh = None
         if fmt == "q5_k":  # bit s of byte l of qh: the fifth bit of element l of sub-block s
             raw = blocks[:, 16:48].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            qh = _pair_planes(_words((raw & 1).reshape(n, kb, 32)))
+            qh = _quad_planes(_words((raw & 1).reshape(n, kb, 32)))
         return QuantWeight(fmt, (n, k), _nibbles(codes), half(0), half(2), qh, None, scales)
     # Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), fp16 d; per half h (128 weights) ql's
     # 64 bytes hold elements 0..63 (low nibbles) and 64..127 (high), qh's 32 bytes four 2-bit fields per byte.
@@ -195,8 +196,8 @@ def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     high = (blocks[:, 128:192].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     high = high.reshape(n, kb, 32)
     scales = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208])).view(n, kb, 2)
-    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _pair_planes(_words(high & 1)),
-                       _pair_planes(_words(high >> 1)), scales)
+    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _quad_planes(_words(high & 1)),
+                       _quad_planes(_words(high >> 1)), scales)
 
 
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
@@ -225,7 +226,7 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
 
     d = field(0, 2).view(torch.float16).view(n, kb)
     m = field(2, 4).view(torch.float16).view(n, kb) if row.has_min else None
-    qh = _pair_planes(blocks[..., row.header - 4: row.header].copy().view(np.uint32).reshape(n, kb)) \
+    qh = _quad_planes(blocks[..., row.header - 4: row.header].copy().view(np.uint32).reshape(n, kb)) \
         if row.planes else None
     qs = field(row.header, bpb)
     if fmt == "q8_0":
@@ -430,8 +431,8 @@ def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
     def cols(t: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "super":
             return t[:, b0 // per: (b0 + nb) // per].contiguous()
-        if kind == "plane":  # pairs of blocks: regrouped from the blocks' own words
-            return _pair_planes(_block_words(t, qw.blocks)[:, b0: b0 + nb])
+        if kind == "plane":  # quads of blocks: regrouped from the blocks' own words
+            return _quad_planes(_block_words(t, qw.blocks)[:, b0: b0 + nb])
         return t[:, b0: b0 + nb].contiguous()
 
     return qw.replace(cols, (qw.shape[0], length))

@@ -73,9 +73,10 @@ SERVELM_TRAIT(fmt_payload, payload)
 // One [N, KB * 32] quantised weight, in 32-weight blocks:
 //   qs: q8_0 int8 [N, KB, 32]; the others uint8 [N, KB, 16], element j in the low nibble of byte j, element
 //       j + 16 in the high one;
-//   qh, qh2: bit planes, plane 0 (+16) / plane 1 (+32) of each code (q5_*, Q5_K: qh; Q6_K: both), one uint64 per
-//       pair of blocks (2p, 2p + 1), [N, KP = ceil(KB / 2)], in the order the AVX-512 kernel's words come
-//       (see plane_bit): one mask load per pair, none of the bit shuffling per block a uint32 per block needs;
+//   qh, qh2: bit planes, plane 0 (+16) / plane 1 (+32) of each code (q5_*, Q5_K: qh; Q6_K: both), two uint64
+//       per quad of blocks (4q .. 4q + 3), [N, 2 * ceil(KB / 4)], in the order the AVX-512 kernels' lanes come
+//       (see plane_word): one mask load per quad and half, none of the bit shuffling per block a uint32 per
+//       block needs;
 //   d, m: fp16 [N, KB] scale and minimum (q4_1, q5_1) of each block; for the k-quants, [N, KB / 8]: the
 //       super-block's d and dmin;
 //   sc: k-quants, [N, KB, 2] per block: Q4_K/Q5_K uint8 (6-bit scale, 6-bit min), Q6_K int8 (scale of the
@@ -93,16 +94,18 @@ struct QWeight {
 };
 
 // Plane words per row.
-inline int64_t plane_stride(const QWeight& w) { return (w.KB + 1) / 2; }
+inline int64_t plane_stride(const QWeight& w) { return (w.KB + 3) / 4 * 2; }
 
-// Bit of element k of block b in its pair's plane word: bits 0..15 are block 2p's k 0..15, 16..31 block
-// 2p+1's k 0..15, 32..47 block 2p's k 16..31, 48..63 block 2p+1's k 16..31.
-inline int plane_bit(int64_t b, int k) { return (k >= 16) * 32 + static_cast<int>(b & 1) * 16 + (k & 15); }
+// Where element k of block b lies in a row's plane words: word 2 * (b / 4) holds the quad's k 0..15, word
+// 2 * (b / 4) + 1 its k 16..31, bits 16 * (b % 4) + (k % 16).
+inline int64_t plane_word(int64_t b, int k) { return b / 4 * 2 + (k >= 16); }
+inline int plane_bit(int64_t b, int k) { return static_cast<int>(b & 3) * 16 + (k & 15); }
 
 // The 32 bits of block b of row n in one plane (bit k = element k), for the paths that go block by block.
 inline uint32_t block_word(const uint64_t* plane, const QWeight& w, int64_t n, int64_t b) {
-  const uint64_t h = plane[n * plane_stride(w) + b / 2] >> ((b & 1) * 16);
-  return static_cast<uint32_t>(h & 0xFFFFu) | (static_cast<uint32_t>((h >> 32) & 0xFFFFu) << 16);
+  const uint64_t* q = plane + n * plane_stride(w) + b / 4 * 2;
+  const int sh = static_cast<int>(b & 3) * 16;
+  return static_cast<uint32_t>((q[0] >> sh) & 0xFFFFu) | (static_cast<uint32_t>((q[1] >> sh) & 0xFFFFu) << 16);
 }
 
 // The integer code of element k (0..31) of block b of row n (the scalar reference of every path).
@@ -110,8 +113,9 @@ inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
-  if (w.qh) q |= static_cast<int>((w.qh[n * plane_stride(w) + b / 2] >> plane_bit(b, k)) & 1u) << 4;
-  if (w.qh2) q |= static_cast<int>((w.qh2[n * plane_stride(w) + b / 2] >> plane_bit(b, k)) & 1u) << 5;
+  const int64_t at = n * plane_stride(w) + plane_word(b, k);
+  if (w.qh) q |= static_cast<int>((w.qh[at] >> plane_bit(b, k)) & 1u) << 4;
+  if (w.qh2) q |= static_cast<int>((w.qh2[at] >> plane_bit(b, k)) & 1u) << 5;
   return q - fmt_offset(w.fmt);
 }
 

@@ -193,7 +193,8 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   for (const auto* t : {&qh, &qh2})
     if (present(*t))
       TORCH_CHECK((*t)->is_contiguous() && (*t)->scalar_type() == at::kLong && (*t)->dim() == 2 &&
-                  (*t)->size(0) == N && (*t)->size(1) == (KB + 1) / 2, "qh layout: int64 [N, ceil(KB / 2)]");
+                  (*t)->size(0) == N && (*t)->size(1) == (KB + 3) / 4 * 2,
+                  "qh layout: int64 [N, 2 * ceil(KB / 4)]");
   TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
   if (kq)
     TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->dim() == 3 && sc->size(0) == N &&
