@@ -351,6 +351,11 @@ def kernel_backend() -> str:
     return _backend or force_backend(os.environ.get(FORCE_ENV))
 
 
+def isa_index() -> int:
+    """The C++ kernel's index of the path in use (`kernel_backend`, not "torch")."""
+    return _ISA_NAMES.index(_backend or kernel_backend())
+
+
 def activation_scheme(fmt: str) -> str:
     """How `linear` rounds x for a weight in `fmt` at decode (and at every row count in deterministic mode):
     "int8" (path avx512_vnni_i8, the default with VNNI, the nibble formats: per block of 32, d = amax / 127,

@@ -97,9 +97,48 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self._fused_args: tuple | None = None  # (fused_decode_args(),) once built
+
+    def fused_decode_args(self) -> tuple[list, list[int], list[int], list] | None:
+        """The layer's quantised projections as `fused.decode_layer` takes them, or None where this layer's
+        decode step cannot be one C++ call: a projection in fp32 (its oneDNN matmul), tensor parallelism (the
+        all-reduces), q/k norms (Qwen3), inputs that are not whole blocks (the Python path pads them), or no
+        kernel library. Built once, after loading (the weights are fixed from then on)."""
+        if self._fused_args is None:
+            self._fused_args = (self._build_fused_args(),)
+        return self._fused_args[0]
+
+    def _build_fused_args(self) -> tuple[list, list[int], list[int], list] | None:
+        attn, mlp = self.self_attn, self.mlp
+        if attn.qk_norm or not fused.loaded() or quant.kernel_backend() == "torch":
+            return None
+        weights: list = []
+        fmts: list[int] = []
+        parts: list[int] = []
+        biases: list = []
+        for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            qws = [proj.qweight] if proj.qweight is not None else proj.qweight_parts
+            if not qws or proj.tp_size != 1 or proj.in_features % quant.BLOCK:
+                return None
+            for qw in qws:
+                weights.extend(qw.tensors())
+                fmts.append(quant.block_format(qw.fmt).code)
+            parts.append(len(qws))
+            bias = proj.bias
+            if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+                return None
+            biases.append(None if bias is None else bias.data)
+        for norm in (self.input_layernorm, self.post_attention_layernorm):
+            if norm.weight.dtype != torch.float32:
+                return None
+        return weights, fmts, parts, biases
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if fb.is_decode and fb.kv_cache is not None and fused.available(hidden, fb.kv_cache.k):
+            args = self.fused_decode_args()
+            if args is not None:  # the whole step in one C++ call: the same kernels, the same bits
+                return fused.decode_layer(self, args, positions, hidden, residual, fb)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

@@ -354,3 +354,41 @@ def test_none_untied_gguf_and_hf_folder_keep_no_blocks(tmp_path: Path, tiny_llam
     assert untied.weight_formats() == {"float32": 10}
     hf = ModelRunner(ServerArgs(model_path=str(tiny_llama[0]), max_total_tokens=64, quantization="none"))
     assert hf.model.model.embed_tokens.lookup_qweight is None
+
+
+@pytest.mark.parametrize(("gguf_arch", "quantize", "hidden"), [
+    ("llama", "Q4_K_M", 256),  # layer 0's qkv in two parts (Q4_K q/k, Q6_K v), a Q6_K tied LM head
+    ("qwen2", "Q5_0", 96),  # q/k/v bias, hidden not whole super-blocks
+])
+def test_fused_decode_layer_gives_the_layer_ops_bits(tmp_path: Path, default_tokenizer_dir: Path, monkeypatch,
+                                                     gguf_arch: str, quantize: str, hidden: int) -> None:
+    """A decode step through `fused.decode_layer` (one C++ call a layer) gives bitwise the logits of the
+    layer's own ops, for a batch of two requests at different lengths."""
+    from servelm.layers import fused
+
+    folder, model = build_tiny_model(tmp_path / "hf", default_tokenizer_dir, gguf_arch, std=0.1, hidden_size=hidden,
+                                     intermediate_size=512, head_dim=32 if hidden == 96 else 64)
+    write_gguf(tmp_path / "m.gguf", gguf_arch, model, quantize=quantize)
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path / "m.gguf"), tokenizer_path=str(folder),
+                                    max_total_tokens=64))
+    layers = runner.model.model.layers
+    if not fused.loaded():
+        pytest.skip("no kernel library")
+    assert all(layer.fused_decode_args() is not None for layer in layers)
+    a, b = [5, 17, 300, 42, 7, 900, 11], [8, 4, 600, 23, 99]
+    for ids, start in ((a, 0), (b, 10)):  # the two prompts' KV
+        slots = list(range(start, start + len(ids)))
+        runner.forward(ForwardBatch.build(ids, list(range(len(ids))), slots, [len(ids)], [slots], [len(ids) - 1],
+                                          runner.device))
+    step = ForwardBatch.build([33, 44], [7, 5], [7, 15], [1, 1], [list(range(8)), list(range(10, 16))], [0, 1],
+                              runner.device)
+    calls = []
+    real = fused.decode_layer
+    monkeypatch.setattr(fused, "decode_layer", lambda *args: calls.append(1) or real(*args))
+    fused_logits = runner.forward(step)
+    assert len(calls) == len(layers)
+    for layer in layers:
+        layer._fused_args = (None,)  # the layer's own ops from here on
+    own = runner.forward(step)  # the same step again: the same KV slots written with the same values
+    assert len(calls) == len(layers)
+    assert torch.equal(fused_logits, own)

@@ -15,6 +15,13 @@
 #include <tuple>
 #include <vector>
 
+namespace servelm_quant {
+at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
+                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
+                       const std::optional<at::Tensor>& bias, int64_t isa, bool tiles);
+}  // namespace servelm_quant
+
 namespace servelm_fused {
 
 // One ISA's kernels; each runs on a range of rows (tokens, or (request, kv head) items) so the ops can split it
@@ -305,6 +312,58 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// One decoder layer's decode step (Llama family, fp32 activations, quantised weights, one rank) in one call:
+// what LlamaDecoderLayer.forward runs as ~10 torch ops and ~40 Python frames, here without the dispatcher.
+//   hidden, residual = add_rms_norm(hidden, residual) (rms_norm(hidden), hidden for the first layer)
+//   q = qkv_rotary_cache(qkv_proj(hidden)); out = o_proj(decode_attention(q))
+//   hidden, residual = add_rms_norm(out, residual); return down_proj(silu_and_mul(gate_up_proj(hidden))), residual
+// Each projection is one or more parts (runs of one format: a Q4_K_M file's Q4_K q/k beside a Q6_K v), six
+// tensors a part in `weights` (qs, d, m, qh, qh2, sc), `parts[i]` of them for projection i (qkv, o, gate_up,
+// down), their formats in `fmts`; `biases` one per projection, sliced along the parts. Projections of
+// `tiles_min_rows` rows or more take the fp32 tile kernel, as servelm.kernels.quant.linear does.
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
+    const at::Tensor& post_norm, double eps, const c10::List<std::optional<at::Tensor>>& weights,
+    at::IntArrayRef fmts, at::IntArrayRef parts, const c10::List<std::optional<at::Tensor>>& biases,
+    const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+    const at::Tensor& v_cache, const at::Tensor& out_cache_loc, const at::Tensor& kv_index, const at::Tensor& lens,
+    int64_t num_heads, double scale, int64_t isa, int64_t tiles_min_rows) {
+  TORCH_CHECK(parts.size() == 4 && biases.size() == 4, "servelm_fused: decode_layer takes 4 projections");
+  int64_t total = 0;
+  for (int64_t n : parts) total += n;
+  TORCH_CHECK(static_cast<int64_t>(fmts.size()) == total && static_cast<int64_t>(weights.size()) == 6 * total,
+              "servelm_fused: decode_layer: ", weights.size(), " weight tensors for ", total, " parts");
+  std::vector<int64_t> first(4, 0);
+  for (int i = 1; i < 4; ++i) first[i] = first[i - 1] + parts[i - 1];
+  const auto opt = [&](int64_t at) -> std::optional<at::Tensor> { return weights.get(at); };
+  const auto project = [&](int i, const at::Tensor& x) {
+    const bool tiles = x.size(0) >= tiles_min_rows;
+    const std::optional<at::Tensor> bias = biases.get(i);
+    std::vector<at::Tensor> outs;
+    int64_t row = 0;
+    for (int64_t p = first[i]; p < first[i] + parts[i]; ++p) {
+      const at::Tensor qs = *opt(6 * p);
+      std::optional<at::Tensor> b;
+      if (bias.has_value() && bias->defined()) b = parts[i] == 1 ? *bias : bias->narrow(0, row, qs.size(0));
+      outs.push_back(servelm_quant::linear_call(x, qs, *opt(6 * p + 1), opt(6 * p + 2), opt(6 * p + 3),
+                                                opt(6 * p + 4), opt(6 * p + 5), fmts[p], b, isa, tiles));
+      row += qs.size(0);
+    }
+    return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
+  };
+  at::Tensor h, res;
+  if (residual.has_value() && residual->defined()) {
+    std::tie(h, res) = add_rms_norm(hidden, *residual, in_norm, eps);
+  } else {
+    h = rms_norm(hidden, in_norm, eps);
+    res = hidden;
+  }
+  const at::Tensor q = qkv_rotary_cache(project(0, h), positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads);
+  const at::Tensor attn = decode_attention(q, k_cache, v_cache, kv_index, lens, scale);
+  std::tie(h, res) = add_rms_norm(project(1, attn), res, post_norm, eps);
+  return {project(3, silu_and_mul(project(2, h))), res};
+}
+
 }  // namespace
 }  // namespace servelm_fused
 
@@ -321,4 +380,8 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_index, Tensor lens, float scale) "
           "-> Tensor", &servelm_fused::decode_attention);
+  lib.def("decode_layer(Tensor hidden, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, "
+          "Tensor?[] weights, int[] fmts, int[] parts, Tensor?[] biases, Tensor positions, Tensor cos, Tensor sin, "
+          "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_cache_loc, Tensor kv_index, Tensor lens, int num_heads, "
+          "float scale, int isa, int tiles_min_rows) -> (Tensor, Tensor)", &servelm_fused::decode_layer);
 }

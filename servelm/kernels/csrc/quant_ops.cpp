@@ -317,6 +317,15 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 }
 
 }  // namespace
+
+// For the fused decoder-layer op (fused_ops.cpp): the two entry points without the dispatcher.
+at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
+                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
+                       const std::optional<at::Tensor>& bias, int64_t isa, bool tiles) {
+  return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, fmt, bias, isa) : linear(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);
+}
+
 }  // namespace servelm_quant
 
 TORCH_LIBRARY(servelm_quant, lib) {
