@@ -82,7 +82,7 @@ BLOCK = 32
 SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
 TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
-FORCE_ENV = "SERVELM_QUANT_KERNEL"  # "scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8" or "torch": one path
+FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
 @dataclass
@@ -309,12 +309,16 @@ def embedding(ids: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     return rows.reshape(*ids.shape, qw.shape[1])
 
 
-# "avx512_vnni_i8" is AVX-512 VNNI with int8 activations for the nibble formats (`activation_scheme`), the
-# default where the CPU has VNNI: x rounded per block of 32 as llama.cpp's q8_0 / q8_1 activations, vpdpbusd
-# over four blocks a step. On the default model it scores perplexity +0.31% and teacher-forced top-1
-# agreement 97.2% against fp32 (the int16 scheme, still "avx512_vnni": -0.01%, 100%), for a decode kernel
-# 1.6-1.8x faster on Q4_0 / Q4_K / Q5_0 shapes of a 1B model (docs/measurements/quant-kernels.md).
-_ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8")
+# "avx512_vnni_i8" and "avx2_i8" are AVX-512 VNNI and AVX2 with int8 activations for the nibble formats
+# (`activation_scheme`), the default on those CPUs: x rounded per block of 32 as llama.cpp's q8_0 / q8_1
+# activations, vpdpbusd over four blocks a step (vpmaddubsw + vpmaddwd over two on AVX2). On the default model
+# it scores perplexity -0.09% and teacher-forced top-1 agreement 97.5% against fp32 (the int16 scheme, still
+# "avx512_vnni" / "avx2": -0.01%, 100%), for a decode kernel 1.6-1.8x faster with VNNI and 1.2-1.9x on AVX2
+# (docs/measurements/quant-kernels.md). Q8_0 weights keep the int16 scheme (bandwidth-bound there).
+_ISA_NAMES = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8", "avx2_i8")  # the C++ kernel's indices
+_RUNS_ON = {"avx512_vnni_i8": "avx512_vnni", "avx2_i8": "avx2"}  # the int8 variants' ISAs
+_INT8_DEFAULT = {"avx512_vnni": "avx512_vnni_i8", "avx2": "avx2_i8"}  # the default path on each ISA
+_LEVELS = ("scalar", "avx2", "avx512", "avx512_vnni")
 _backend: str | None = None  # resolved once (see kernel_backend); force_backend() changes it
 
 
@@ -324,8 +328,8 @@ def _best_isa() -> str:
 
 
 def force_backend(name: str | None) -> str:
-    """Use the path `name` ("scalar", "avx2", "avx512", "avx512_vnni" (int16 activations), "avx512_vnni_i8"
-    (int8), "torch"; None: the best this machine has) from now on.
+    """Use the path `name` ("scalar", "avx2", "avx512", "avx512_vnni" (int16 activations), "avx2_i8",
+    "avx512_vnni_i8" (int8), "torch"; None: the best this machine has) from now on.
 
     A faster ISA than the CPU has is an error; where the kernel cannot be built every name but "torch" gives
     the torch path. Returns the path in use. The `SERVELM_QUANT_KERNEL` variable does the same at start-up.
@@ -335,16 +339,23 @@ def force_backend(name: str | None) -> str:
     if forced and forced != "torch" and forced not in _ISA_NAMES:
         raise ValueError(f"quantised-kernel path {forced!r}: expected one of torch, {', '.join(_ISA_NAMES)}")
     best = "torch" if forced == "torch" else _best_isa()
-    top = _ISA_NAMES.index(best) + (best == "avx512_vnni") if best != "torch" else 0  # + the int8 variant
-    if forced and best != "torch" and _ISA_NAMES.index(forced) > top:
+    if forced and best != "torch" and _LEVELS.index(_RUNS_ON.get(forced, forced)) > _LEVELS.index(best):
         raise ValueError(f"quantised-kernel path {forced!r}: this CPU supports at most {best}")
-    _backend = forced if forced and best != "torch" else ("avx512_vnni_i8" if best == "avx512_vnni" else best)
+    _backend = forced if forced and best != "torch" else _INT8_DEFAULT.get(best, best)
     return _backend
 
 
+def available_backends() -> list[str]:
+    """Every path `force_backend` accepts on this CPU ("torch" always)."""
+    best = _best_isa()
+    if best == "torch":
+        return ["torch"]
+    return [n for n in _ISA_NAMES if _LEVELS.index(_RUNS_ON.get(n, n)) <= _LEVELS.index(best)] + ["torch"]
+
+
 def kernel_backend() -> str:
-    """The path `linear` takes: "avx512_vnni_i8", "avx512_vnni", "avx512", "avx2", "scalar" (the C++ kernel) or
-    "torch" (none here).
+    """The path `linear` takes: "avx512_vnni_i8", "avx512_vnni", "avx512", "avx2_i8", "avx2", "scalar" (the C++
+    kernel) or "torch" (none here).
 
     The first call builds or loads the kernel (see `servelm.kernels.build`).
     """
@@ -358,13 +369,13 @@ def isa_index() -> int:
 
 def activation_scheme(fmt: str) -> str:
     """How `linear` rounds x for a weight in `fmt` at decode (and at every row count in deterministic mode):
-    "int8" (path avx512_vnni_i8, the default with VNNI, the nibble formats: per block of 32, d = amax / 127,
-    vpdpbusd),
+    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats: per block of 32,
+    d = amax / 127, vpdpbusd / vpmaddubsw),
     "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path)."""
     backend = kernel_backend()
     if backend == "torch":
         return "fp32"
-    return "int8" if backend == "avx512_vnni_i8" and fmt != "q8_0" else "int16"
+    return "int8" if backend in _RUNS_ON and fmt != "q8_0" else "int16"
 
 
 def batch_invariant() -> bool:

@@ -16,15 +16,16 @@ from servelm.kernels import build, quant
 from tests.models.gguf_files import random_k_quant as _random_k
 
 GGML = {fmt: quant.block_format(fmt).ggml for fmt in quant.FORMATS}
-ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8")
+ISAS = ("scalar", "avx2", "avx512", "avx512_vnni", "avx512_vnni_i8", "avx2_i8")
 
 
 def _kernel_paths() -> list[str]:
-    best = quant.force_backend(None)
-    return ["torch"] if best == "torch" else list(ISAS[: ISAS.index(best) + 1 + (best == "avx512_vnni")])
+    quant.force_backend(None)
+    return [p for p in quant.available_backends() if p != "torch"] or ["torch"]
 
 
 PATHS = _kernel_paths() + (["torch"] if _kernel_paths() != ["torch"] else [])
+INT8_PATHS = [p for p in ("avx2_i8", "avx512_vnni_i8") if p in PATHS]
 KERNELS = [p for p in PATHS if p != "torch"]
 
 
@@ -169,10 +170,10 @@ def test_vnni_and_plain_avx512_give_the_same_bits(fmt):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def _check_int8_scheme(qw: quant.QuantWeight, k: int, seed: int) -> None:
+def _check_int8_scheme(qw: quant.QuantWeight, k: int, seed: int, path: str) -> None:
     g = torch.Generator().manual_seed(seed)
     try:
-        assert quant.force_backend("avx512_vnni_i8") and quant.activation_scheme(qw.fmt) == "int8"
+        assert quant.force_backend(path) and quant.activation_scheme(qw.fmt) == "int8"
         for m in (1, 2, 3, 7):
             x = torch.randn(m, k, generator=g)
             x[0, :32] *= 1000  # blocks of very different scales
@@ -186,12 +187,12 @@ def _check_int8_scheme(qw: quant.QuantWeight, k: int, seed: int) -> None:
         quant.force_backend(None)
 
 
-@pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("path", INT8_PATHS)
 @pytest.mark.parametrize("fmt", [f for f in quant.QUANTIZE_FORMATS if f != "q8_0"])
-def test_int8_scheme_matches_its_reference(fmt):
+def test_int8_scheme_matches_its_reference(fmt, path):
     """The nibble formats under VNNI: x rounded per block to int8 codes (llama.cpp's Q8_0 activations), exact
     int32 dot products with the offset taken out in the integers, fp32 scaling: as the float64 reference."""
-    _check_int8_scheme(_weight(75, 600, fmt, seed=6)[1], 600, seed=5)
+    _check_int8_scheme(_weight(75, 600, fmt, seed=6)[1], 600, seed=5, path=path)
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
@@ -343,10 +344,10 @@ def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
         assert torch.equal(quant.linear(x[m: m + 1], qw), full[m: m + 1])
 
 
-@pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("path", INT8_PATHS)
 @pytest.mark.parametrize("fmt", K_QUANTS)
-def test_k_quant_int8_scheme_matches_its_reference(fmt):
-    _check_int8_scheme(_random_k(fmt, 75, 512, seed=6)[1], 512, seed=5)
+def test_k_quant_int8_scheme_matches_its_reference(fmt, path):
+    _check_int8_scheme(_random_k(fmt, 75, 512, seed=6)[1], 512, seed=5, path=path)
 
 
 @pytest.mark.parametrize("fmt", K_QUANTS)

@@ -1,5 +1,6 @@
 // AVX2 + FMA + F16C kernel of the scheme in quant_common.h: 8 lanes, one block at a time (vpmaddwd +
-// vpaddd on the block's 32 int16 codes of x), NR x R micro-tiles as in the AVX-512 kernel.
+// vpaddd on the block's 32 int16 codes of x), NR x R micro-tiles as in the AVX-512 kernel; and the int8
+// scheme (`micro_i8`, vpmaddubsw, a pair of blocks at a time).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -146,9 +147,105 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
     }
 }
 
-template <Fmt F, int NR>
+// The int8 scheme on AVX2 (the nibble formats): x's quad layout (quant_ops' prep_row_i8) read a pair of blocks
+// (b, b + 1) at a time, 32 bytes of nibbles per weight row: the low nibbles are [b k 0..15, b+1 k 0..15], the
+// high ones the same blocks' k 16..31, as the first (b % 4 == 0) or second half of the quad's x. vpmaddubsw
+// multiplies the unsigned codes with x's int8 codes into int16 pairs (|sum| <= 2 * 63 * 127: no saturation),
+// the low and high halves are added (one scale per block; the split Q6_K keeps them apart) and vpmaddwd with
+// ones gives 8 exact int32 lanes of 8 products, lane l in block b + l / 4, started from x's offset correction;
+// then each lane is scaled by (weight scale * x scale) of its block, as the AVX-512 int8 kernel does.
+// 32 bits of a plane -> 32 bytes: `value` where the bit is set, else 0.
+static inline __m256i plane_bytes(uint32_t bits, __m256i value) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                          3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread), bit);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), value);
+}
+
+template <Fmt F, int NR, int R>
+static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* dn, const float* mn,
+                     int64_t ld, const float* bias, float* y) {
+  static_assert(Traits<F>::nibbles, "the int8 scheme reads nibble formats");
+  const int64_t kb = w.KB, kp = plane_stride(w);
+  __m256 acc[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  const int8_t* xq[R];
+  const float* xs[R];
+  const int32_t* xc[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = x.q8 + (i0 + r) * x.KBp * kBlock;
+    xs[r] = x.spair + (i0 + r) * x.ss;
+    xc[r] = x.corr ? x.corr + (i0 + r) * (x.KBp / 4) * 32 : nullptr;
+  }
+  const bool ahead = n + NR - 1 + kAhead < w.N;
+  for (int64_t b = 0; b < kb; b += 2) {
+    const int64_t quad = b / 4, half = (b / 2) % 2;  // the pair's place in x's quad layout
+    const int64_t qo = quad * 4 * kBlock + half * 32, so = quad * 16 + half * 8, co = quad * 32 + half * 8;
+#pragma GCC unroll 2
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* p = w.qs + ((n + j) * kb + b) * 16;
+      if (ahead) prefetch(w.qs + ((n + j + kAhead) * kb + b) * 16);
+      const __m256i raw = b + 1 < kb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                     : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      __m256i lo = _mm256_and_si256(raw, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      for (int pl = 0; pl < Traits<F>::planes; ++pl) {
+        const uint64_t* q = (pl ? w.qh2 : w.qh) + (n + j) * kp + quad * 2;
+        const __m256i v = _mm256_set1_epi8(pl ? 32 : 16);
+        lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(q[0] >> (32 * half)), v));
+        hi = _mm256_or_si256(hi, plane_bytes(static_cast<uint32_t>(q[1] >> (32 * half)), v));
+      }
+      const float* d = dn + j * ld + b;
+      const __m256 ws = _mm256_blend_ps(_mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]), 0xF0);
+      __m256 ws1 = ws;
+      if constexpr (Traits<F>::split) {
+        const float* d1 = mn + j * ld + b;
+        ws1 = _mm256_blend_ps(_mm256_set1_ps(d1[0]), _mm256_set1_ps(d1[1]), 0xF0);
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq[r] + qo;
+        const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+        const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64));
+        const __m256 sv = _mm256_loadu_ps(xs[r] + so);
+        const int32_t* c = Traits<F>::offset ? xc[r] + co : nullptr;
+        const __m256i pa = _mm256_maddubs_epi16(lo, xlo), pb = _mm256_maddubs_epi16(hi, xhi);
+        if constexpr (Traits<F>::split) {
+          __m256i ia = _mm256_madd_epi16(pa, ones), ib = _mm256_madd_epi16(pb, ones);
+          ia = _mm256_add_epi32(ia, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+          ib = _mm256_add_epi32(ib, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 16)));
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(ws, sv), acc[j][r]);
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(ws1, sv), acc[j][r]);
+        } else {
+          __m256i iv = _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones);
+          if constexpr (Traits<F>::offset != 0)
+            iv = _mm256_add_epi32(iv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(ws, sv), acc[j][r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) {
+      float v = hsum8(acc[j][r]);
+      if constexpr (Traits<F>::has_min) v += min_term(mn + j * ld, x.xsum + (i0 + r) * x.ss, kb);
+      y[(i0 + r) * w.N + n + j] = bias ? v + bias[n + j] : v;
+    }
+}
+
+template <Fmt F, int NR, bool I8 = false>
 static void rows(int r, const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* dn, const float* mn,
                  int64_t ld, const float* bias, float* y) {
+  if constexpr (I8 && Traits<F>::nibbles) {
+    switch (r) {
+      case 1: micro_i8<F, NR, 1>(x, w, n, i0, dn, mn, ld, bias, y); break;
+      case 2: micro_i8<F, NR, 2>(x, w, n, i0, dn, mn, ld, bias, y); break;
+      default: micro_i8<F, NR, 3>(x, w, n, i0, dn, mn, ld, bias, y); break;
+    }
+    return;
+  }
   switch (r) {
     case 1: micro<F, NR, 1>(x, w, n, i0, dn, mn, ld, bias, y); break;
     case 2: micro<F, NR, 2>(x, w, n, i0, dn, mn, ld, bias, y); break;
@@ -156,7 +253,7 @@ static void rows(int r, const XQ& x, const QWeight& w, int64_t n, int64_t i0, co
   }
 }
 
-template <Fmt F>
+template <Fmt F, bool I8 = false>
 static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
   const int64_t ld = (w.KB + 7) / 8 * 8;
   thread_local std::vector<float> buf;
@@ -188,9 +285,9 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
     for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
       const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));
       if (nr == kNr) {
-        rows<F, kNr>(r, x, w, n, i0, dn, mn, ld, bias, y);
+        rows<F, kNr, I8>(r, x, w, n, i0, dn, mn, ld, bias, y);
       } else {
-        for (int j = 0; j < nr; ++j) rows<F, 1>(r, x, w, n + j, i0, dn + j * ld, mn + j * ld, ld, bias, y);
+        for (int j = 0; j < nr; ++j) rows<F, 1, I8>(r, x, w, n + j, i0, dn + j * ld, mn + j * ld, ld, bias, y);
       }
     }
   }
@@ -200,6 +297,10 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
 
 void gemm_avx2(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
   dispatch_fmt(w.fmt, [&](auto f) { avx2::gemm<decltype(f)::value>(x, w, bias, y, n0, n1); });
+}
+
+void gemm_avx2_i8(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  dispatch_fmt(w.fmt, [&](auto f) { avx2::gemm<decltype(f)::value, true>(x, w, bias, y, n0, n1); });
 }
 
 }  // namespace servelm_quant

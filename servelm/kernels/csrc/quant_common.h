@@ -203,6 +203,8 @@ void gemm_avx512_vnni(const XQ&, const QWeight&, const float*, float*, int64_t, 
 // The int8 scheme (x.q8): vpdpbusd of the weights' unsigned codes with x's int8 codes, 64 weights an
 // instruction (the int16 scheme's vpdpwssd: 32), exact int32 lane sums corrected for the offset, then as above.
 void gemm_avx512_vnni_i8(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
+// The same scheme on AVX2: vpmaddubsw + vpmaddwd, 32 weights an instruction pair.
+void gemm_avx2_i8(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x

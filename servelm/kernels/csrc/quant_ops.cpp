@@ -14,14 +14,16 @@
 namespace servelm_quant {
 namespace {
 
-// kAvx512VnniI8 is not an ISA of its own: AVX-512 VNNI with the int8-activation scheme for the nibble formats,
-// chosen only on request (SERVELM_QUANT_KERNEL=avx512_vnni_i8; see servelm.kernels.quant.activation_scheme).
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512VnniI8 = 4 };
+// kAvx512VnniI8 and kAvx2I8 are not ISAs of their own: AVX-512 VNNI and AVX2 with the int8-activation scheme for
+// the nibble formats, the default where the CPU has them (see servelm.kernels.quant.activation_scheme).
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx512VnniI8 = 4, kAvx2I8 = 5 };
 
-// The highest level `isa` may name on this CPU (best_isa(), or the int8 variant of VNNI).
-inline bool isa_available(int64_t isa, int64_t best) {
-  return isa >= kScalar && (isa <= best || (isa == kAvx512VnniI8 && best == kAvx512Vnni));
-}
+// The ISA an index runs on (the int8 variants on their own).
+inline int64_t base_isa(int64_t isa) { return isa == kAvx512VnniI8 ? kAvx512Vnni : isa == kAvx2I8 ? kAvx2 : isa; }
+inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAvx2I8; }
+
+// Whether `isa` may run on this CPU (best: best_isa()).
+inline bool isa_available(int64_t isa, int64_t best) { return isa >= kScalar && isa <= kAvx2I8 && base_isa(isa) <= best; }
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -38,6 +40,7 @@ int64_t best_isa() {
 
 GemmFn gemm_for(int64_t isa) {
   TORCH_CHECK(isa_available(isa, best_isa()), "servelm_quant: ISA level ", isa, " is not available here");
+  isa = base_isa(isa);
 #if defined(__x86_64__) || defined(_M_X64)
   if (isa >= kAvx512Vnni) return gemm_avx512_vnni;
   if (isa == kAvx512) return gemm_avx512;
@@ -222,9 +225,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const GemmFn fn = gemm_for(isa);
-  const bool wide = isa >= kAvx512, has_m = fmt_has_min(w.fmt);
+  const bool wide = base_isa(isa) >= kAvx512, has_m = fmt_has_min(w.fmt);
 #if defined(__x86_64__) || defined(_M_X64)
-  if (isa == kAvx512VnniI8 && w.fmt != Q8_0) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
+  if (int8_scheme(isa) && w.fmt != Q8_0) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
     const int64_t KBq = (KB + 3) / 4 * 4, quads = KBq / 4;
     const int off = fmt_offset(w.fmt);
     // per row: s [KBq] | xsum [KBq] | lane scales [quads * 16] | padding read by the minimum term up to
@@ -251,7 +254,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     float* yp = y.data_ptr<float>();
     constexpr int64_t kRows = 16;
     at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
-      gemm_avx512_vnni_i8(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
+      (isa == kAvx2I8 ? gemm_avx2_i8 : gemm_avx512_vnni_i8)(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
     });
     return y;
   }
@@ -284,7 +287,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
 // Weight rows dequantised per tile of the fp32 tile kernels: L2-sized (the AVX-512 one has fixed 64-row tiles);
 // never fewer tiles than ~4 per thread so the pool stays balanced. Numerics do not depend on it.
 int64_t rows_per_tile(int64_t N, int64_t kp, int64_t isa) {
-  if (isa >= kAvx512) return 64;
+  if (base_isa(isa) >= kAvx512) return 64;
   int64_t nb = std::clamp<int64_t>((256 << 10) / (kp * 4), 12, 96) / 12 * 12;
   const int64_t per_thread = (N + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads());
   return std::min(nb, std::max<int64_t>(12, (per_thread + 11) / 12 * 12));
@@ -302,8 +305,8 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   if (M == 0 || N == 0) return y;
   TileGemmFn fn = tiles_gemm_scalar;
 #if defined(__x86_64__) || defined(_M_X64)
-  if (isa >= kAvx512) fn = tiles_gemm_avx512;
-  else if (isa == kAvx2) fn = tiles_gemm_avx2;
+  if (base_isa(isa) >= kAvx512) fn = tiles_gemm_avx512;
+  else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
 #endif
   const int64_t nb = rows_per_tile(N, kp, isa);
   const float* xp = x.data_ptr<float>();
