@@ -19,10 +19,10 @@ Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K, fp32).
 `linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 / scalar, chosen at run time,
 built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
-then matmul. The kernel multiplies the weights' integer codes with x rounded per block of 32 to int16 codes on
-a power-of-two scale (llama.cpp's scheme with 16-bit instead of 8-bit activations: a relative error of ~2^-15
-of the block's largest |x|, ~100x below fp32 vs Q4 weight error; see csrc/quant_common.h), exact int32 block
-sums, then fp32 scaling and accumulation.
+then matmul. The kernel multiplies the weights' integer codes with x rounded per block of 32 to integer codes:
+int8 on amax / 127 with AVX-512 VNNI or AVX2 (llama.cpp's Q8_0/Q8_1 activations; the minimum term takes the
+rounded block sums), else int16 on a power-of-two scale (a relative error of ~2^-15 of the block's largest |x|;
+see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumulation.
 """
 
 from __future__ import annotations
