@@ -77,11 +77,18 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, super_block=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
+FORMAT_OF_CODE = {row.code: name for name, row in _REGISTRY.items()}  # the C++ kernel's `Fmt` -> name
 QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block)  # `quantize` writes these
 BLOCK = 32
 SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
-TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
+TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel on the int16 scheme
+# ... and on the int8 scheme: decode batches and short prompts keep the integer kernel (1.3-2.7x the tiles'
+# speed from 12 to 64 rows but Q6_K's, which is even at 64), prompts of 96+ rows take the tiles. Scoring the
+# default model's 1024-token text through the int8 kernel too gives teacher-forced top-1 agreement 96.9%
+# against fp32, under issue 20's 97% bar (97.5% with int8 for decode only): docs/measurements/quant-kernels.md.
+INT8_TILES_MIN_ROWS = 96
+Q6K_TILES_MIN_ROWS = 64
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -362,6 +369,14 @@ def kernel_backend() -> str:
     return _backend or force_backend(os.environ.get(FORCE_ENV))
 
 
+def tiles_min_rows(fmt: str) -> int:
+    """Rows of x from which `linear` (outside deterministic mode) takes the fp32 tile kernel for a weight in
+    `fmt`: TILES_MIN_ROWS on the int16 scheme, INT8_TILES_MIN_ROWS (Q6_K: Q6K_TILES_MIN_ROWS) on the int8."""
+    if activation_scheme(fmt) != "int8":
+        return TILES_MIN_ROWS
+    return Q6K_TILES_MIN_ROWS if fmt == "q6_k" else INT8_TILES_MIN_ROWS
+
+
 def isa_index() -> int:
     """The C++ kernel's index of the path in use (`kernel_backend`, not "torch")."""
     return _ISA_NAMES.index(_backend or kernel_backend())
@@ -387,13 +402,14 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
            ) -> torch.Tensor:
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
-    From TILES_MIN_ROWS rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path instead
-    (weights dequantised into cache-sized tiles, fp32 FMA: 2-3x faster than the int16 scheme for prefill and
-    large batches, measured in docs/measurements/quant-kernels.md); its results differ from the int16
-    scheme's in the last bits, so `invariant=True` (deterministic mode) keeps every M on the int16 scheme.
+    From `tiles_min_rows(fmt)` rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path
+    instead (weights dequantised into cache-sized tiles, fp32 FMA: 2-3x faster than the int16 scheme for
+    prefill and large batches; the int8 scheme keeps decode batches, see INT8_TILES_MIN_ROWS; measured in
+    docs/measurements/quant-kernels.md); the tiles' results differ
+    from the integer scheme's, so `invariant=True` (deterministic mode) keeps every M on the integer scheme.
 
-    With `invariant=True` (or fewer than TILES_MIN_ROWS rows) the C++ kernel is batch-invariant: each output
-    element is one fixed sequence of operations on its own row of x (int16 codes per block, exact int32 block
+    With `invariant=True` (or below that row count) the C++ kernel is batch-invariant: each output
+    element is one fixed sequence of operations on its own row of x (integer codes per block, exact int32 block
     sums, fp32 scaling and accumulation in block order, one fixed lane-sum tree, bias last) whatever M is,
     whatever the other rows of x are and however the threads split the work, so row m is bitwise identical for
     any batch (deterministic mode relies on it). The torch fallback (`kernel_backend() == "torch"`) does not
@@ -418,7 +434,8 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
     ops = torch.ops.servelm_quant
-    op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS else ops.linear_tiles
+    op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS or x2.shape[0] < tiles_min_rows(qw.fmt) \
+        else ops.linear_tiles
     y = op.default(x2, *qw.tensors(), _REGISTRY[qw.fmt].code, bias, _ISA_NAMES.index(backend))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 

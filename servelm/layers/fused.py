@@ -126,6 +126,10 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list], posi
     from servelm.kernels import quant
 
     weights, fmts, parts, biases = args
+    backend = quant.kernel_backend()
+    tiles_from = layer.fused_tiles_from.get(backend)
+    if tiles_from is None:  # per kernel path (tests switch it): where each part leaves the integer scheme
+        tiles_from = layer.fused_tiles_from[backend] = [quant.tiles_min_rows(quant.FORMAT_OF_CODE[c]) for c in fmts]
     attn = layer.self_attn
     layer_id = attn.attn.layer_id
     if positions.dtype != torch.long or not positions.is_contiguous():
@@ -138,4 +142,4 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list], posi
         hidden, residual, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
         layer.input_layernorm.eps, weights, fmts, parts, biases, positions, attn.rotary.cos, attn.rotary.sin,
         fb.kv_cache.k[layer_id], fb.kv_cache.v[layer_id], fb.out_cache_loc, fb.decode_kv_index, fb.decode_lens,
-        attn.num_heads, attn.attn.scale, quant.isa_index(), quant.TILES_MIN_ROWS)
+        attn.num_heads, attn.attn.scale, quant.isa_index(), tiles_from)

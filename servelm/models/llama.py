@@ -98,6 +98,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self._fused_args: tuple | None = None  # (fused_decode_args(),) once built
+        self.fused_tiles_from: dict[str, list[int]] = {}  # kernel path -> fused.decode_layer's tile thresholds
 
     def fused_decode_args(self) -> tuple[list, list[int], list[int], list] | None:
         """The layer's quantised projections as `fused.decode_layer` takes them, or None where this layer's

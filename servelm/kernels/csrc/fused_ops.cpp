@@ -320,24 +320,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // Each projection is one or more parts (runs of one format: a Q4_K_M file's Q4_K q/k beside a Q6_K v), six
 // tensors a part in `weights` (qs, d, m, qh, qh2, sc), `parts[i]` of them for projection i (qkv, o, gate_up,
 // down), their formats in `fmts`; `biases` one per projection, sliced along the parts. Projections of
-// `tiles_min_rows` rows or more take the fp32 tile kernel, as servelm.kernels.quant.linear does.
+// part p takes the fp32 tile kernel from `tiles_from[p]` rows of x on (servelm.kernels.quant.tiles_min_rows).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
     const at::Tensor& post_norm, double eps, const c10::List<std::optional<at::Tensor>>& weights,
     at::IntArrayRef fmts, at::IntArrayRef parts, const c10::List<std::optional<at::Tensor>>& biases,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
     const at::Tensor& v_cache, const at::Tensor& out_cache_loc, const at::Tensor& kv_index, const at::Tensor& lens,
-    int64_t num_heads, double scale, int64_t isa, int64_t tiles_min_rows) {
+    int64_t num_heads, double scale, int64_t isa, at::IntArrayRef tiles_from) {
   TORCH_CHECK(parts.size() == 4 && biases.size() == 4, "servelm_fused: decode_layer takes 4 projections");
   int64_t total = 0;
   for (int64_t n : parts) total += n;
-  TORCH_CHECK(static_cast<int64_t>(fmts.size()) == total && static_cast<int64_t>(weights.size()) == 6 * total,
+  TORCH_CHECK(static_cast<int64_t>(fmts.size()) == total && static_cast<int64_t>(tiles_from.size()) == total &&
+                  static_cast<int64_t>(weights.size()) == 6 * total,
               "servelm_fused: decode_layer: ", weights.size(), " weight tensors for ", total, " parts");
   std::vector<int64_t> first(4, 0);
   for (int i = 1; i < 4; ++i) first[i] = first[i - 1] + parts[i - 1];
   const auto opt = [&](int64_t at) -> std::optional<at::Tensor> { return weights.get(at); };
   const auto project = [&](int i, const at::Tensor& x) {
-    const bool tiles = x.size(0) >= tiles_min_rows;
     const std::optional<at::Tensor> bias = biases.get(i);
     std::vector<at::Tensor> outs;
     int64_t row = 0;
@@ -346,7 +346,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
       std::optional<at::Tensor> b;
       if (bias.has_value() && bias->defined()) b = parts[i] == 1 ? *bias : bias->narrow(0, row, qs.size(0));
       outs.push_back(servelm_quant::linear_call(x, qs, *opt(6 * p + 1), opt(6 * p + 2), opt(6 * p + 3),
-                                                opt(6 * p + 4), opt(6 * p + 5), fmts[p], b, isa, tiles));
+                                                opt(6 * p + 4), opt(6 * p + 5), fmts[p], b, isa,
+                                                x.size(0) >= tiles_from[p]));
       row += qs.size(0);
     }
     return outs.size() == 1 ? outs[0] : at::cat(outs, -1);
@@ -383,5 +384,5 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.def("decode_layer(Tensor hidden, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, "
           "Tensor?[] weights, int[] fmts, int[] parts, Tensor?[] biases, Tensor positions, Tensor cos, Tensor sin, "
           "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_cache_loc, Tensor kv_index, Tensor lens, int num_heads, "
-          "float scale, int isa, int tiles_min_rows) -> (Tensor, Tensor)", &servelm_fused::decode_layer);
+          "float scale, int isa, int[] tiles_from) -> (Tensor, Tensor)", &servelm_fused::decode_layer);
 }
