@@ -82,13 +82,14 @@ QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_bloc
 BLOCK = 32
 SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
-TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel on the int16 scheme
-# ... and on the int8 scheme: decode batches and short prompts keep the integer kernel (1.3-2.7x the tiles'
-# speed from 12 to 64 rows but Q6_K's, which is even at 64), prompts of 96+ rows take the tiles. Scoring the
-# default model's 1024-token text through the int8 kernel too gives teacher-forced top-1 agreement 96.9%
-# against fp32, under issue 20's 97% bar (97.5% with int8 for decode only): docs/measurements/quant-kernels.md.
-INT8_TILES_MIN_ROWS = 96
-Q6K_TILES_MIN_ROWS = 64
+TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
+# A decode step's batch (every row a request's next token; `decode_tiles_min_rows`) keeps the int8 scheme's
+# integer kernel up to 95 rows (Q6_K: 63), 1.3-2.7x the tiles' speed there. Prompts keep the tiles from 10 rows:
+# the int8 kernel over a prompt costs quality (the default model's 1024-token text: teacher-forced top-1
+# agreement 96.9% against fp32, under issue 20's 97% bar, 97.5% with int8 for decode only; "What is the
+# capital of France?" flips its first token, a 0.1-nat tie), docs/measurements/quant-kernels.md.
+INT8_DECODE_TILES_MIN_ROWS = 96
+Q6K_DECODE_TILES_MIN_ROWS = 64
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -369,12 +370,13 @@ def kernel_backend() -> str:
     return _backend or force_backend(os.environ.get(FORCE_ENV))
 
 
-def tiles_min_rows(fmt: str) -> int:
-    """Rows of x from which `linear` (outside deterministic mode) takes the fp32 tile kernel for a weight in
-    `fmt`: TILES_MIN_ROWS on the int16 scheme, INT8_TILES_MIN_ROWS (Q6_K: Q6K_TILES_MIN_ROWS) on the int8."""
+def decode_tiles_min_rows(fmt: str) -> int:
+    """Rows of a decode step's batch from which a weight in `fmt` takes the fp32 tile kernel (outside
+    deterministic mode; `fused.decode_layer`): TILES_MIN_ROWS on the int16 scheme, INT8_DECODE_TILES_MIN_ROWS
+    (Q6_K: Q6K_DECODE_TILES_MIN_ROWS) on the int8 one."""
     if activation_scheme(fmt) != "int8":
         return TILES_MIN_ROWS
-    return Q6K_TILES_MIN_ROWS if fmt == "q6_k" else INT8_TILES_MIN_ROWS
+    return Q6K_DECODE_TILES_MIN_ROWS if fmt == "q6_k" else INT8_DECODE_TILES_MIN_ROWS
 
 
 def isa_index() -> int:
@@ -402,13 +404,13 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
            ) -> torch.Tensor:
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
-    From `tiles_min_rows(fmt)` rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path
-    instead (weights dequantised into cache-sized tiles, fp32 FMA: 2-3x faster than the int16 scheme for
-    prefill and large batches; the int8 scheme keeps decode batches, see INT8_TILES_MIN_ROWS; measured in
+    From TILES_MIN_ROWS rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path instead
+    (weights dequantised into cache-sized tiles, fp32 FMA: 2-3x faster than the int16 scheme for prefill and
+    large batches; a decode step's batch keeps the int8 scheme longer, see `decode_tiles_min_rows`; measured in
     docs/measurements/quant-kernels.md); the tiles' results differ
     from the integer scheme's, so `invariant=True` (deterministic mode) keeps every M on the integer scheme.
 
-    With `invariant=True` (or below that row count) the C++ kernel is batch-invariant: each output
+    With `invariant=True` (or fewer than TILES_MIN_ROWS rows) the C++ kernel is batch-invariant: each output
     element is one fixed sequence of operations on its own row of x (integer codes per block, exact int32 block
     sums, fp32 scaling and accumulation in block order, one fixed lane-sum tree, bias last) whatever M is,
     whatever the other rows of x are and however the threads split the work, so row m is bitwise identical for
@@ -434,8 +436,7 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
     ops = torch.ops.servelm_quant
-    op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS or x2.shape[0] < tiles_min_rows(qw.fmt) \
-        else ops.linear_tiles
+    op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS else ops.linear_tiles
     y = op.default(x2, *qw.tensors(), _REGISTRY[qw.fmt].code, bias, _ISA_NAMES.index(backend))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 

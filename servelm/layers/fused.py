@@ -122,14 +122,17 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list], posi
                  hidden: torch.Tensor, residual: torch.Tensor | None, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A Llama-family decoder layer's decode step in one C++ call (`LlamaDecoderLayer.fused_decode_args`):
     the norms, the quantised projections, rotary + KV write and decode attention, as the layer's own ops
-    compute them, bit for bit, without ~10 dispatches and ~40 Python frames a layer."""
+    compute them, bit for bit, without ~10 dispatches and ~40 Python frames a layer; except that batches of
+    TILES_MIN_ROWS to 95 requests keep the int8 scheme's integer kernel, where the layer's own ops take the
+    fp32 tiles (`quant.decode_tiles_min_rows`)."""
     from servelm.kernels import quant
 
     weights, fmts, parts, biases = args
     backend = quant.kernel_backend()
     tiles_from = layer.fused_tiles_from.get(backend)
     if tiles_from is None:  # per kernel path (tests switch it): where each part leaves the integer scheme
-        tiles_from = layer.fused_tiles_from[backend] = [quant.tiles_min_rows(quant.FORMAT_OF_CODE[c]) for c in fmts]
+        tiles_from = [quant.decode_tiles_min_rows(quant.FORMAT_OF_CODE[c]) for c in fmts]
+        layer.fused_tiles_from[backend] = tiles_from
     attn = layer.self_attn
     layer_id = attn.attn.layer_id
     if positions.dtype != torch.long or not positions.is_contiguous():

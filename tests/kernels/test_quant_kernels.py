@@ -78,7 +78,7 @@ def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: 
     ref = x.double() @ w.T + (bias.double() if bias is not None else 0)
     bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
     scheme = quant.activation_scheme(qw.fmt)
-    if scheme != "fp32" and x.shape[0] < quant.tiles_min_rows(qw.fmt):  # x rounded to codes: half a step each
+    if scheme != "fp32" and x.shape[0] < quant.TILES_MIN_ROWS:  # x rounded to codes: half a step an element
         bound = bound + (_code_step(x.double(), scheme) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
@@ -114,7 +114,8 @@ def _check_identity(qw: quant.QuantWeight, k: int) -> None:
     tiles = torch.ops.servelm_quant.linear_tiles.default(
         torch.nn.functional.pad(eye[:70], (0, qw.blocks * quant.BLOCK - k)), *qw.tensors(),
         quant.block_format(qw.fmt).code, None, quant.isa_index())
-    assert torch.equal(tiles, want[:70])  # fp32 tiles (which `linear` takes only on the int16 scheme and Q6_K)
+    assert torch.equal(tiles, want[:70])  # fp32 tiles
+    assert torch.equal(quant.linear(eye[:70], qw), want[:70])  # what `linear` takes for 70 rows
     # the terms' sizes: |scale * code| + |min| (a minimum adds one more rounding after the product)
     if quant.block_format(qw.fmt).has_min:
         scaled = quant.dequantize(_without_min(qw))[:, : qw.shape[1]]
@@ -149,8 +150,7 @@ def test_linear_is_batch_invariant(path, fmt):
         other = torch.cat([x[:3], torch.randn(30, 576, generator=g) * 100])
         assert torch.equal(quant.linear(other, qw, bias, invariant=True)[:3], full[:3])
         tiles = quant.linear(x, qw, bias)
-        # 37 rows: the fp32 tiles on the int16 scheme; the int8 scheme keeps the integer kernel up to 95 rows
-        assert torch.equal(tiles, full) == (quant.tiles_min_rows(qw.fmt) > 37)
+        assert not torch.equal(tiles, full)
         _check_close(tiles, x, qw, bias)
         for m in (0, 5, 36):  # the integer scheme's rows, each within its own rounding bound
             _check_close(full[m: m + 1], x[m: m + 1], qw, bias)
