@@ -77,7 +77,6 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, super_block=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
-FORMAT_OF_CODE = {row.code: name for name, row in _REGISTRY.items()}  # the C++ kernel's `Fmt` -> name
 QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block)  # `quantize` writes these
 BLOCK = 32
 SUPER = 256
@@ -347,10 +346,15 @@ def force_backend(name: str | None) -> str:
     if forced and forced != "torch" and forced not in _ISA_NAMES:
         raise ValueError(f"quantised-kernel path {forced!r}: expected one of torch, {', '.join(_ISA_NAMES)}")
     best = "torch" if forced == "torch" else _best_isa()
-    if forced and best != "torch" and _LEVELS.index(_RUNS_ON.get(forced, forced)) > _LEVELS.index(best):
+    if forced and best != "torch" and not _runs_on(forced, best):
         raise ValueError(f"quantised-kernel path {forced!r}: this CPU supports at most {best}")
     _backend = forced if forced and best != "torch" else _INT8_DEFAULT.get(best, best)
     return _backend
+
+
+def _runs_on(name: str, best: str) -> bool:
+    """Whether kernel path `name` runs on a CPU whose best ISA is `best` (not "torch")."""
+    return _LEVELS.index(_RUNS_ON.get(name, name)) <= _LEVELS.index(best)
 
 
 def available_backends() -> list[str]:
@@ -358,7 +362,7 @@ def available_backends() -> list[str]:
     best = _best_isa()
     if best == "torch":
         return ["torch"]
-    return [n for n in _ISA_NAMES if _LEVELS.index(_RUNS_ON.get(n, n)) <= _LEVELS.index(best)] + ["torch"]
+    return [n for n in _ISA_NAMES if _runs_on(n, best)] + ["torch"]
 
 
 def kernel_backend() -> str:

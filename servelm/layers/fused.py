@@ -118,7 +118,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return _ops().decode_attention.default(q, k_cache, v_cache, kv_index, lens, scale)
 
 
-def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list], positions: torch.Tensor,
+def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[str]], positions: torch.Tensor,
                  hidden: torch.Tensor, residual: torch.Tensor | None, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """A Llama-family decoder layer's decode step in one C++ call (`LlamaDecoderLayer.fused_decode_args`):
     the norms, the quantised projections, rotary + KV write and decode attention, as the layer's own ops
@@ -127,11 +127,11 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list], posi
     fp32 tiles (`quant.decode_tiles_min_rows`)."""
     from servelm.kernels import quant
 
-    weights, fmts, parts, biases = args
+    weights, fmts, parts, biases, names = args
     backend = quant.kernel_backend()
     tiles_from = layer.fused_tiles_from.get(backend)
     if tiles_from is None:  # per kernel path (tests switch it): where each part leaves the integer scheme
-        tiles_from = [quant.decode_tiles_min_rows(quant.FORMAT_OF_CODE[c]) for c in fmts]
+        tiles_from = [quant.decode_tiles_min_rows(name) for name in names]
         layer.fused_tiles_from[backend] = tiles_from
     attn = layer.self_attn
     layer_id = attn.attn.layer_id

@@ -100,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
         self._fused_args: tuple | None = None  # (fused_decode_args(),) once built
         self.fused_tiles_from: dict[str, list[int]] = {}  # kernel path -> fused.decode_layer's tile thresholds
 
-    def fused_decode_args(self) -> tuple[list, list[int], list[int], list] | None:
+    def fused_decode_args(self) -> tuple[list, list[int], list[int], list, list[str]] | None:
         """The layer's quantised projections as `fused.decode_layer` takes them, or None where this layer's
         decode step cannot be one C++ call: a projection in fp32 (its oneDNN matmul), tensor parallelism (the
         all-reduces), q/k norms (Qwen3), inputs that are not whole blocks (the Python path pads them), or no
@@ -109,12 +109,13 @@ class LlamaDecoderLayer(nn.Module):
             self._fused_args = (self._build_fused_args(),)
         return self._fused_args[0]
 
-    def _build_fused_args(self) -> tuple[list, list[int], list[int], list] | None:
+    def _build_fused_args(self) -> tuple[list, list[int], list[int], list, list[str]] | None:
         attn, mlp = self.self_attn, self.mlp
         if attn.qk_norm or not fused.loaded() or quant.kernel_backend() == "torch":
             return None
         weights: list = []
         fmts: list[int] = []
+        names: list[str] = []  # the parts' formats by name (their tile thresholds, `quant.decode_tiles_min_rows`)
         parts: list[int] = []
         biases: list = []
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -124,6 +125,7 @@ class LlamaDecoderLayer(nn.Module):
             for qw in qws:
                 weights.extend(qw.tensors())
                 fmts.append(quant.block_format(qw.fmt).code)
+                names.append(qw.fmt)
             parts.append(len(qws))
             bias = proj.bias
             if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -132,7 +134,7 @@ class LlamaDecoderLayer(nn.Module):
         for norm in (self.input_layernorm, self.post_attention_layernorm):
             if norm.weight.dtype != torch.float32:
                 return None
-        return weights, fmts, parts, biases
+        return weights, fmts, parts, biases, names
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
