@@ -262,18 +262,7 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   float* mn = dn + kNr * ld;
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
-    if (n + kAhead < w.N) {
-      const char* next = Traits<F>::kquant ? reinterpret_cast<const char*>(w.sc + (n + kAhead) * w.KB * 2)
-                                           : reinterpret_cast<const char*>(w.d + (n + kAhead) * w.KB);
-      for (int64_t c = 0; c < kNr * w.KB * 2; c += 64) {
-        prefetch(next + c);
-        if (Traits<F>::has_min && !Traits<F>::kquant)
-          prefetch(reinterpret_cast<const char*>(w.m + (n + kAhead) * w.KB) + c);
-      }
-      for (int p = 0; p < Traits<F>::planes; ++p)
-        for (int64_t c = 0; c < kNr * plane_stride(w) * 8; c += 64)
-          prefetch(reinterpret_cast<const char*>((p ? w.qh2 : w.qh) + (n + kAhead) * plane_stride(w)) + c);
-    }
+    if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, std::min<int64_t>(kNr, w.N - n - kAhead));
     for (int j = 0; j < nr; ++j) {
       if constexpr (Traits<F>::kquant) {
         row_scales_k<F>(w, n + j, dn + j * ld, mn + j * ld, ld);

@@ -108,6 +108,24 @@ inline uint32_t block_word(const uint64_t* plane, const QWeight& w, int64_t n, i
   return static_cast<uint32_t>((q[0] >> sh) & 0xFFFFu) | (static_cast<uint32_t>((q[1] >> sh) & 0xFFFFu) << 16);
 }
 
+// Prefetches into L2 the fields of rows [n, n + rows) other than the codes (scales, minimums, the k-quants' scale
+// bytes, bit planes): a few cache lines a row, in arrays of their own, so the hardware's stream prefetchers
+// lag behind on them; the kernels call it a few micro-tiles ahead (the codes they prefetch as they go).
+template <Fmt F>
+inline void prefetch_fields(const QWeight& w, int64_t n, int64_t rows) {
+  const auto lines = [](const void* base, int64_t first, int64_t bytes) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base) + first, end = a + bytes;
+    for (uintptr_t p = a & ~uintptr_t{63}; p < end; p += 64) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+  };
+  const int64_t per = Traits<F>::kquant ? w.KB / kSuper : w.KB;  // d (and m) per row
+  lines(w.d, n * per * 2, rows * per * 2);
+  if (Traits<F>::has_min) lines(w.m, n * per * 2, rows * per * 2);
+  if (Traits<F>::kquant) lines(w.sc, n * w.KB * 2, rows * w.KB * 2);
+  const int64_t ps = plane_stride(w) * 8;
+  if (Traits<F>::planes >= 1) lines(w.qh, n * ps, rows * ps);
+  if (Traits<F>::planes >= 2) lines(w.qh2, n * ps, rows * ps);
+}
+
 // The integer code of element k (0..31) of block b of row n (the scalar reference of every path).
 inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
