@@ -181,19 +181,30 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
     xc[r] = x.corr ? x.corr + (i0 + r) * (x.KBp / 4) * 32 : nullptr;
   }
   const bool ahead = n + NR - 1 + kAhead < w.N;
-  for (int64_t b = 0; b < kb; b += 2) {
+  // The tile's rows are consecutive: base pointers per row and constant strides, the row's last block peeled
+  // when KB is odd (per-row index arithmetic in the loop spilled the general registers, as on AVX-512).
+  const int64_t qstride = kb * 16;
+  const uint8_t* qj[NR];
+  const uint64_t* hj[2][NR];
+  for (int j = 0; j < NR; ++j) {
+    qj[j] = w.qs + (n + j) * qstride;
+    hj[0][j] = Traits<F>::planes >= 1 ? w.qh + (n + j) * kp : nullptr;
+    hj[1][j] = Traits<F>::planes >= 2 ? w.qh2 + (n + j) * kp : nullptr;
+  }
+  const auto pair = [&](int64_t b, auto whole_c) {
+    constexpr bool whole = decltype(whole_c)::value;
     const int64_t quad = b / 4, half = (b / 2) % 2;  // the pair's place in x's quad layout
     const int64_t qo = quad * 4 * kBlock + half * 32, so = quad * 16 + half * 8, co = quad * 32 + half * 8;
 #pragma GCC unroll 2
     for (int j = 0; j < NR; ++j) {
-      const uint8_t* p = w.qs + ((n + j) * kb + b) * 16;
-      if (ahead) prefetch(w.qs + ((n + j + kAhead) * kb + b) * 16);
-      const __m256i raw = b + 1 < kb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                     : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const uint8_t* p = qj[j] + b * 16;
+      if (ahead) prefetch(p + kAhead * qstride);
+      const __m256i raw = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       __m256i lo = _mm256_and_si256(raw, low4);
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
       for (int pl = 0; pl < Traits<F>::planes; ++pl) {
-        const uint64_t* q = (pl ? w.qh2 : w.qh) + (n + j) * kp + quad * 2;
+        const uint64_t* q = hj[pl][j] + quad * 2;
         const __m256i v = _mm256_set1_epi8(pl ? 32 : 16);
         lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(q[0] >> (32 * half)), v));
         hi = _mm256_or_si256(hi, plane_bytes(static_cast<uint32_t>(q[1] >> (32 * half)), v));
@@ -216,8 +227,8 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
           __m256i ia = _mm256_madd_epi16(pa, ones), ib = _mm256_madd_epi16(pb, ones);
           ia = _mm256_add_epi32(ia, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
           ib = _mm256_add_epi32(ib, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 16)));
-          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia), _mm256_mul_ps(ws, sv), acc[j][r]);
-          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), _mm256_mul_ps(ws1, sv), acc[j][r]);
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), ws1, _mm256_mul_ps(_mm256_cvtepi32_ps(ia), ws));
+          acc[j][r] = _mm256_fmadd_ps(t, sv, acc[j][r]);  // (ia * ws + ib * ws1) * x's scale
         } else {
           __m256i iv = _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ones);
           if constexpr (Traits<F>::offset != 0)
@@ -226,7 +237,10 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
         }
       }
     }
-  }
+  };
+  const int64_t kw = kb / 2 * 2;
+  for (int64_t b = 0; b < kw; b += 2) pair(b, std::true_type{});
+  if (kw < kb) pair(kw, std::false_type{});
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) {
       float v = hsum8(acc[j][r]);
