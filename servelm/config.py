@@ -18,7 +18,7 @@ import yaml
 # Fields only the HTTP server reads (the offline commands accept them but leave them out of --help).
 HTTP_SERVER_FIELDS = frozenset({
     "host", "port", "api_key", "served_model_name", "max_queued_requests", "log_requests", "uvicorn_log_level",
-    "disable_uvicorn_access_log", "shutdown_timeout", "tool_call_parser",
+    "disable_uvicorn_access_log", "shutdown_timeout", "tool_call_parser", "reasoning_parser",
 })
 
 
@@ -71,6 +71,10 @@ class ServerArgs:
     tool_call_parser: str | None = _opt(None, "Read tool calls in the model's own format, which allows "
                                         "tool_choice 'auto' (hermes: <tool_call>{...}</tool_call>, as Qwen2/3 "
                                         "and Hermes models write them).", choices=["hermes"])
+    reasoning_parser: str | None = _opt(None, "Split the model's thinking from its answer into reasoning_content: "
+                                        "qwen3, deepseek_r1 (<think>...</think>), a plugin's name, or auto (from "
+                                        "the chat template). Structured output and tool calls then apply to the "
+                                        "answer after the thinking.")
 
     # Memory and scheduling
     page_size: int = _opt(1, "Tokens per KV page.")
@@ -120,6 +124,13 @@ class ServerArgs:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if self.reasoning_parser not in (None, "auto"):
+            from servelm.entrypoints.reasoning import formats
+
+            known = formats()
+            if self.reasoning_parser not in known:
+                raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r} is not known; choose one of: auto, "
+                                  f"{', '.join(known)}")
 
     # ------------------------------------------------------------------ CLI
     @staticmethod

@@ -56,6 +56,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     whitespace_pattern: str | None = None
+    # With a reasoning parser, the constraint applies to the answer after the thinking: [end marker id] (the
+    # output starts inside the thinking), or [start id, end id] (its first token may open a block); [] always.
+    constraint_after: list[int] = field(default_factory=list)
     # SGLang's stop_regex: stop once the output text matches one of these (the match stays in the text).
     stop_regex: list[str] = field(default_factory=list)
     # OpenAI's logit_bias: token id -> value added to its logit before sampling, in [-100, 100].

@@ -309,11 +309,16 @@ class PromptTokensDetails(_Response):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(_Response):
+    reasoning_tokens: int = 0  # output tokens of the thinking, its closing marker included (--reasoning-parser)
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(_Response):
@@ -361,7 +366,8 @@ class DeltaToolCall(_Response):
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
-    reasoning_content: str | None = None  # as SGLang's: always null (no reasoning parser)
+    reasoning_content: str | None = None  # the thinking, with --reasoning-parser (SGLang's and vLLM's name)
+    reasoning: str | None = None  # the same text under newer vLLM's name
     tool_calls: list[ToolCall] | None = None
 
 
@@ -388,7 +394,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None  # SGLang/vLLM clients read it; always null (no reasoning parser)
+    reasoning_content: str | None = None  # the next piece of the thinking, with --reasoning-parser
+    reasoning: str | None = None  # the same piece under newer vLLM's name
     tool_calls: list[DeltaToolCall] | None = None
 
 

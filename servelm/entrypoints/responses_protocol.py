@@ -76,6 +76,22 @@ class OutputMessage(_Response):
     content: list[OutputText] = Field(default_factory=list)
 
 
+class ReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(_Response):
+    """The model's thinking (with --reasoning-parser), before its message, as OpenAI's reasoning item."""
+
+    id: str = Field(default_factory=lambda: random_id("rs").replace("-", "_"))
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
 class ResponseUsage(_Response):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -95,7 +111,7 @@ class ResponseObject(_Response):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Status = "in_progress"
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage] = Field(default_factory=list)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None

@@ -6,14 +6,17 @@ submit to the scheduler (429 when full), then collect the outputs or hand back a
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from servelm.constrained import choice_regex
+from servelm.entrypoints import reasoning
 from servelm.entrypoints.http_common import ApiError, bad
 from servelm.entrypoints.openai_protocol import ResponseFormat
+from servelm.entrypoints.reasoning import ReasoningFormat, ReasoningStream
 from servelm.entrypoints.streaming import Accumulated, ClientGone, collect, error_of
 from servelm.managers.tokenizer_manager import (
     CapacityError,
@@ -31,6 +34,8 @@ from servelm.sampling_params import (
 
 if TYPE_CHECKING:
     from servelm.entrypoints.http_server import ServerState
+
+logger = logging.getLogger(__name__)
 
 
 def schema_text(schema: str | dict[str, Any] | None) -> str | None:
@@ -98,6 +103,38 @@ class OpenAIServing:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.manager = state.manager
+        self._reasoning: tuple[ReasoningFormat | None] | None = None
+
+    def reasoning_format(self) -> ReasoningFormat | None:
+        """The --reasoning-parser format (auto: from the chat template), resolved on first use."""
+        if self._reasoning is None:
+            name = self.state.server_args.reasoning_parser
+            template = getattr(self.manager.tokenizer, "chat_template", None)
+            fmt = reasoning.resolve(name, template if isinstance(template, str) else None)
+            if name is not None:
+                logger.info("reasoning parser: %s", fmt.name if fmt else f"none ({name}: the chat template shows "
+                            "no <think> markers)")
+            self._reasoning = (fmt,)
+        return self._reasoning[0]
+
+    def reasoning_stream(self, prompt: list[int]) -> ReasoningStream | None:
+        """A splitter for one output of `prompt` (None without a reasoning parser)."""
+        fmt = self.reasoning_format()
+        return None if fmt is None else ReasoningStream(fmt, reasoning.prompt_tail(self.manager, prompt))
+
+    def gate_constraint(self, params: SamplingParams, prompt: list[int]) -> None:
+        """With a reasoning parser, a constrained output (tools, response_format) is left free while the model
+        thinks: the constraint starts after the closing marker (SGLang's choice; the scheduler's `gate`)."""
+        stream = self.reasoning_stream(prompt)
+        if stream is None or not (params.json_schema or params.regex or params.ebnf) or stream.state == "answer":
+            return
+        fmt, tokenizer = stream.fmt, self.manager.tokenizer
+        end = reasoning.marker_token(tokenizer, fmt.end)
+        if end is None:
+            raise bad(f"structured output and tool calls with --reasoning-parser {fmt.name} need '{fmt.end}' to be "
+                      "one token of this model's tokenizer; it is not", "response_format")
+        start = reasoning.marker_token(tokenizer, fmt.start)
+        params.constraint_after = [end] if stream.state == "inside" or start is None else [start, end]
 
     @property
     def max_model_len(self) -> int:

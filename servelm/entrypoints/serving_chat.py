@@ -3,6 +3,7 @@ format), structured output, logprobs; streamed or not."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from servelm.entrypoints.openai_protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
+    CompletionTokensDetails,
     DeltaMessage,
     DeltaToolCall,
     ToolCall,
@@ -26,6 +28,7 @@ from servelm.entrypoints.openai_protocol import (
     UsageInfo,
     random_id,
 )
+from servelm.entrypoints.reasoning import ReasoningStream
 from servelm.entrypoints.serving_base import OpenAIServing
 from servelm.entrypoints.streaming import Accumulated, finish_reason_str, matched, sse, stream_events, usage
 from servelm.entrypoints.tool_calls import (
@@ -54,12 +57,20 @@ def check_text_only(req: ChatCompletionRequest) -> None:
 
 
 def calls_of(tools: ToolPlan, acc: Accumulated, content: str | None = None,
-             found: list[ToolCall] | None = None) -> tuple[list[ToolCall], str | None, str | None]:
-    """(calls, finish reason, content) of a finished output in tool mode: read from its text, or the calls
-    `found` (and the `content` left) by a streaming parser."""
+             found: list[ToolCall] | None = None, text: str | None = None
+             ) -> tuple[list[ToolCall], str | None, str | None]:
+    """(calls, finish reason, content) of a finished output in tool mode: read from its text (`text`: the
+    answer after any thinking), or the calls `found` (and the `content` left) by a streaming parser."""
     if found is None:
-        content, found = tools.read(acc.full_text)
+        content, found = tools.read(acc.full_text if text is None else text)
     return found, tools.finish_reason(finish_reason_str(acc.finish_reason), found), content
+
+
+def with_reasoning(u: UsageInfo, counts: list[int] | None) -> UsageInfo:
+    """`usage` with completion_tokens_details.reasoning_tokens when a reasoning parser split the outputs."""
+    if counts is not None:
+        u.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(counts))
+    return u
 
 
 class ServingChat(OpenAIServing):
@@ -77,20 +88,34 @@ class ServingChat(OpenAIServing):
         if not isinstance(result, list):
             return result
         as_ids = req.return_tokens_as_token_ids
+        counts: list[int] | None = [] if self.reasoning_format() is not None else None
+        choices = [self.choice(req, i, acc, params, tools, ids, counts) for i, acc in enumerate(result)]
         return ChatCompletionResponse(
-            id=rid, model=self.state.model_name, choices=[self.choice(req, i, acc, params, tools)
-                                                          for i, acc in enumerate(result)],
-            usage=usage([len(ids)], result, params.n), prompt_token_ids=ids if req.return_token_ids else None,
+            id=rid, model=self.state.model_name, choices=choices,
+            usage=with_reasoning(usage([len(ids)], result, params.n), counts),
+            prompt_token_ids=ids if req.return_token_ids else None,
             prompt_logprobs=(None if req.prompt_logprobs is None else
                              self.vllm_prompt_logprobs(ids, result[0], req.prompt_logprobs, as_ids)))
 
     def choice(self, req: ChatCompletionRequest, index: int, acc: Accumulated, params: SamplingParams,
-               tools: ToolPlan | None) -> ChatCompletionChoice:
-        """One choice of a non-streamed reply: its message (echo, tool calls), logprobs, token ids."""
-        message = ChatResponseMessage(content=acc.full_text)
+               tools: ToolPlan | None, prompt: list[int] | None = None,
+               reasoning_counts: list[int] | None = None) -> ChatCompletionChoice:
+        """One choice of a non-streamed reply: its message (thinking, echo, tool calls), logprobs, token ids;
+        with a reasoning parser, its thinking tokens go to `reasoning_counts`."""
+        text = acc.full_text
+        message = ChatResponseMessage(content=text)
+        split = self.reasoning_stream(prompt or [])
+        if split is not None:
+            split.feed(text)
+            split.finish()
+            text = split.answer_text
+            message.reasoning_content = message.reasoning = split.reasoning_text or None
+            message.content = text or (None if message.reasoning else text)
+            if reasoning_counts is not None:
+                reasoning_counts.append(split.reasoning_tokens(acc.token_ids, self.manager.tokenizer))
         finish = finish_reason_str(acc.finish_reason)
         if tools is not None:
-            calls, finish, message.content = calls_of(tools, acc)
+            calls, finish, message.content = calls_of(tools, acc, text=text)
             message.tool_calls = calls or None
         echo = echo_text(req)
         if echo:
@@ -140,6 +165,12 @@ class ServingChat(OpenAIServing):
         if tools is not None and tools.auto:
             # Some tokenizers mark <tool_call> as special: keep such tokens in the text the parser reads.
             params.skip_special_tokens = False
+        fmt = self.reasoning_format()
+        if fmt is not None:
+            special = set(getattr(self.manager.tokenizer, "all_special_tokens", []) or [])
+            if fmt.start in special or fmt.end in special:  # the parser must see the markers
+                params.skip_special_tokens = False
+            self.gate_constraint(params, ids)
         return ids, params, tools
 
     def chat_logprobs(self, out: TokenOut | Accumulated, as_ids: bool = False) -> ChatLogprobs:
@@ -182,10 +213,14 @@ class ChatStream:
         self.started: set[int] = set()
         self.hermes: dict[int, HermesStream] = {}
         self.constrained: dict[int, ConstrainedCallStream] = {}
+        self.splits: dict[int, ReasoningStream | None] = {}  # with a reasoning parser: each choice's splitter
+        self.reasoning_counts: dict[int, int] = {}
 
     def events(self, group: RequestGroup) -> AsyncIterator[str]:
+        counts = (lambda: list(self.reasoning_counts.values())) if self.serving.reasoning_format() else (lambda: None)
         return stream_events(group, self.render, (lambda accs: self.chunk(
-            [], usage([len(self.prompt)], accs, self.params.n))) if self.include_usage else None)
+            [], with_reasoning(usage([len(self.prompt)], accs, self.params.n), counts())))
+            if self.include_usage else None)
 
     def chunk(self, choices: list[ChatCompletionStreamChoice], usage: UsageInfo | None = None,
               prompt_token_ids: list[int] | None = None) -> str:
@@ -201,14 +236,29 @@ class ChatStream:
             self.usage_now = usage([len(self.prompt)], [acc], 1)
         if index not in self.started:
             yield from self.start(index)
+        thinking = ""
+        if index not in self.splits:
+            self.splits[index] = self.serving.reasoning_stream(self.prompt)
+        split = self.splits[index]
+        if split is not None:  # the thinking goes out as reasoning_content; the rest of the way sees the answer
+            thinking, answer = split.feed(out.text)
+            if out.finish_reason is not None:
+                more = split.finish()
+                thinking, answer = thinking + more[0], answer + more[1]
+                self.reasoning_counts[index] = split.reasoning_tokens(acc.token_ids, self.serving.manager.tokenizer)
+            out = dataclasses.replace(out, text=answer)
+        if self.tools is not None and thinking:
+            yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
+                reasoning_content=thinking, reasoning=thinking))])
         if self.tools is not None and self.tools.auto:
             yield from self.render_hermes(index, out, acc)
         elif self.tools is not None:
             yield from self.render_constrained(index, out, acc)
-        elif out.text or out.finish_reason is not None or out.logprobs or (self.req.return_token_ids and
-                                                                            out.token_ids):
+        elif out.text or thinking or out.finish_reason is not None or out.logprobs or (
+                self.req.return_token_ids and out.token_ids):
             yield self.chunk([ChatCompletionStreamChoice(
-                index=index, delta=DeltaMessage(content=out.text or None), logprobs=self.logprobs(out),
+                index=index, delta=DeltaMessage(content=out.text or None, reasoning_content=thinking or None,
+                                                reasoning=thinking or None), logprobs=self.logprobs(out),
                 finish_reason=finish_reason_str(out.finish_reason), matched_stop=matched(out.finish_reason),
                 token_ids=out.token_ids if self.req.return_token_ids else None)])
 
@@ -229,7 +279,8 @@ class ChatStream:
         deltas = scan.feed(out.text)
         content = finish = None
         if out.finish_reason is not None:
-            _, finish, content = calls_of(self.tools, acc)
+            split = self.splits.get(index)
+            _, finish, content = calls_of(self.tools, acc, text=split.answer_text if split is not None else None)
             if scan.calls:  # calls went out already; a cut-off list is not also sent as text
                 content = None
         if deltas or content or finish or (self.params.logprobs and out.logprobs):

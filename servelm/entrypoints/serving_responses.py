@@ -21,9 +21,12 @@ from typing import Any
 from fastapi import Request
 
 from servelm.entrypoints.http_common import ApiError, bad
+from servelm.entrypoints.reasoning import ReasoningStream
 from servelm.entrypoints.responses_protocol import (
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     ResponseObject,
     ResponsesRequest,
     ResponseUsage,
@@ -41,6 +44,7 @@ class Stored:
     response: ResponseObject
     messages: list[dict[str, str]]  # the conversation without instructions: input, then the output once done
     task: asyncio.Task | None = field(default=None, repr=False)  # a background response's collector
+    split: ReasoningStream | None = field(default=None, repr=False)  # with a reasoning parser
 
 
 class ResponseStore:
@@ -89,10 +93,18 @@ def text_format_schema(req: ResponsesRequest) -> str | None:
     return json.dumps(fmt.schema_)
 
 
-def finish(entry: Stored, acc: Accumulated) -> None:
-    """Fill the entry's response from a finished request's outputs."""
-    resp, reason = entry.response, acc.finish_reason
+def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None) -> None:
+    """Fill the entry's response from a finished request's outputs; with a reasoning parser (`entry.split`: fed
+    the whole output already by a stream, or here) its thinking is a reasoning item before the message."""
+    resp, reason, split = entry.response, acc.finish_reason, entry.split
     text = acc.full_text
+    reasoning_tokens = 0
+    if split is not None:
+        if not split.finished:
+            split.feed(text)
+            split.finish()
+        text = split.answer_text
+        reasoning_tokens = split.reasoning_tokens(acc.token_ids, tokenizer)
     if resp.status != "cancelled":
         if reason is not None and reason.is_failure:
             resp.status, resp.error = "failed", {"code": "server_error", "message": str(reason.message)}
@@ -102,12 +114,17 @@ def finish(entry: Stored, acc: Accumulated) -> None:
             resp.status, resp.incomplete_details = "incomplete", {"reason": "max_output_tokens"}
         else:
             resp.status = "completed"
-    resp.output = [OutputMessage(id=resp.output[0].id if resp.output else OutputMessage().id,
-                                 status="completed" if resp.status == "completed" else "incomplete",
-                                 content=[OutputText(text=text)])]
+    status = "completed" if resp.status == "completed" else "incomplete"
+    ids = {type(item): item.id for item in resp.output}
+    thinking = [ReasoningItem(id=ids.get(ReasoningItem, ReasoningItem().id), status=status,
+                              content=[ReasoningText(text=split.reasoning_text)])] \
+        if split is not None and split.reasoning_text else []
+    resp.output = [*thinking, OutputMessage(id=ids.get(OutputMessage, OutputMessage().id), status=status,
+                                            content=[OutputText(text=text)])]
     resp.usage = ResponseUsage(input_tokens=acc.prompt_tokens,
                                input_tokens_details={"cached_tokens": acc.cached_tokens},
                                output_tokens=acc.completion_tokens,
+                               output_tokens_details={"reasoning_tokens": reasoning_tokens},
                                total_tokens=acc.prompt_tokens + acc.completion_tokens)
     entry.messages.append({"role": "assistant", "content": text})
 
@@ -176,6 +193,7 @@ class ServingResponses(OpenAIServing):
         except Exception as exc:
             raise bad(f"input could not be rendered with the chat template: {exc}", "input") from None
         params = self.sampling(req, len(ids))
+        self.gate_constraint(params, ids)
         resp = ResponseObject(model=self.state.model_name, status="queued" if req.background else "in_progress",
                               instructions=req.instructions, max_output_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p, store=req.store,
@@ -183,7 +201,7 @@ class ServingResponses(OpenAIServing):
                               metadata=req.metadata, user=req.user, parallel_tool_calls=bool(req.parallel_tool_calls),
                               text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
                               if req.text is not None else {"format": {"type": "text"}})
-        entry = Stored(resp, messages)
+        entry = Stored(resp, messages, split=self.reasoning_stream(ids))
         group = self.submit([ids], params, resp.id, req.stream)
         if req.store:
             self.store.put(entry)
@@ -202,7 +220,7 @@ class ServingResponses(OpenAIServing):
         if not isinstance(result, list):  # the client hung up: its request was aborted
             resp.status = "cancelled"
             return result
-        finish(entry, result[0])
+        finish(entry, result[0], self.manager.tokenizer)
         return resp
 
     async def _collect_in_background(self, group: RequestGroup, entry: Stored) -> None:
@@ -214,33 +232,63 @@ class ServingResponses(OpenAIServing):
         except Exception as exc:  # e.g. the scheduler went away: the response fails, it does not stay in progress
             entry.response.status, entry.response.error = "failed", {"code": "server_error", "message": str(exc)}
             return
-        finish(entry, acc)
+        finish(entry, acc, self.manager.tokenizer)
 
     def _stream(self, group: RequestGroup, entry: Stored) -> AsyncIterator[str]:
-        """The Responses streaming events: created, in_progress, the message and its text part added, text
+        """The Responses streaming events: created, in_progress; with a reasoning parser, the reasoning item
+        (added, reasoning text deltas, done) while the model thinks; the message and its text part added, text
         deltas, then text/part/item done and the final response.completed (or .incomplete / .failed)."""
-        resp, seq = entry.response, itertools.count()
-        msg = OutputMessage()
-        resp.output = [msg]
+        resp, seq, split = entry.response, itertools.count(), entry.split
+        msg, thought = OutputMessage(), ReasoningItem()
+        resp.output = []
+        opened: list[str] = []  # the items added so far, in output order ("reasoning", "message")
 
         def event(kind: str, **fields: Any) -> str:
             data = {"type": kind, "sequence_number": next(seq), **fields}
             return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
-        def where() -> dict[str, Any]:
-            return {"item_id": msg.id, "output_index": 0, "content_index": 0}
+        def where(item: Any) -> dict[str, Any]:
+            return {"item_id": item.id, "output_index": resp.output.index(item), "content_index": 0}
+
+        def close_reasoning() -> Iterator[str]:
+            if opened == ["reasoning"]:
+                thought.status = "completed"
+                thought.content = [ReasoningText(text=split.reasoning_text)]
+                yield event("response.reasoning_text.done", text=split.reasoning_text, **where(thought))
+                yield event("response.output_item.done", output_index=0, item=thought.model_dump())
+
+        def open_message() -> Iterator[str]:
+            if "message" not in opened:
+                yield from close_reasoning()
+                opened.append("message")
+                resp.output.append(msg)
+                yield event("response.output_item.added", output_index=resp.output.index(msg), item=msg.model_dump())
+                yield event("response.content_part.added", part=OutputText(text="").model_dump(), **where(msg))
 
         def render(index: int, out: Any, acc: Accumulated) -> Iterator[str]:
-            if out.text:
-                yield event("response.output_text.delta", delta=out.text, logprobs=[], **where())
+            thinking, answer = out.text, out.text
+            if split is not None:
+                thinking, answer = split.feed(out.text)
+                if out.finish_reason is not None:
+                    more = split.finish()
+                    thinking, answer = thinking + more[0], answer + more[1]
+                if thinking and not opened:
+                    opened.append("reasoning")
+                    resp.output.append(thought)
+                    yield event("response.output_item.added", output_index=0, item=thought.model_dump())
+                if thinking and opened == ["reasoning"]:
+                    yield event("response.reasoning_text.delta", delta=thinking, **where(thought))
+            if answer or out.finish_reason is not None:
+                yield from open_message()
+            if answer:
+                yield event("response.output_text.delta", delta=answer, logprobs=[], **where(msg))
             if out.finish_reason is None:
                 return
-            finish(entry, acc)
-            item = resp.output[0]
-            part = item.content[0].model_dump()
-            yield event("response.output_text.done", text=acc.full_text, logprobs=[], **where())
-            yield event("response.content_part.done", part=part, **where())
-            yield event("response.output_item.done", output_index=0, item=item.model_dump())
+            finish(entry, acc, self.manager.tokenizer)
+            item = resp.output[-1]
+            yield event("response.output_text.done", text=item.content[0].text, logprobs=[], **where(item))
+            yield event("response.content_part.done", part=item.content[0].model_dump(), **where(item))
+            yield event("response.output_item.done", output_index=len(resp.output) - 1, item=item.model_dump())
             final = {"completed": "response.completed", "failed": "response.failed"}.get(resp.status,
                                                                                        "response.incomplete")
             yield event(final, response=resp.model_dump())
@@ -248,8 +296,9 @@ class ServingResponses(OpenAIServing):
         async def events() -> AsyncIterator[str]:
             yield event("response.created", response=resp.model_dump())
             yield event("response.in_progress", response=resp.model_dump())
-            yield event("response.output_item.added", output_index=0, item=msg.model_dump())
-            yield event("response.content_part.added", part=OutputText(text="").model_dump(), **where())
+            if split is None:
+                for e in open_message():
+                    yield e
             try:
                 async for chunk in stream_events(group, render):
                     yield chunk

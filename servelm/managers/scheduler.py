@@ -66,6 +66,8 @@ class Req:
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     matcher: Any = None  # llguidance matcher of a constrained request (servelm.constrained), fed every token
+    # Reasoning markers still to pass before the matcher applies (params.constraint_after; [] once it does).
+    gate: list[int] = field(default_factory=list)
     # Scoring: the logprobs of these ids after the whole sequence, taken in the step that completes it.
     label_ids: list[int] = field(default_factory=list)
     label_logprobs: list[float] = field(default_factory=list)
@@ -149,7 +151,8 @@ class Scheduler:
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
                                        params.stop_regex)
         self.waiting.append(Req(req.rid, list(req.input_ids), params, seed, req.sample_index, req.stream, detok,
-                                matcher=matcher, label_ids=list(req.label_token_ids or [])))
+                                matcher=matcher, gate=list(params.constraint_after) if matcher is not None else [],
+                                label_ids=list(req.label_token_ids or [])))
         self.stats["prompt_tokens"] += len(req.input_ids)
 
     def abort_request(self, rid: str) -> list[TokenOut]:
@@ -316,7 +319,7 @@ class Scheduler:
                 logits_rows.append(len(input_ids) - 1)
                 rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len, req.prompt_ids,
                                         req.output_ids, self._banned_ids(req),
-                                        allowed=req.matcher.compute_bitmask() if req.matcher is not None else None))
+                                        allowed=self._constraint_mask(req)))
                 sampled.append(req)
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
         result = self.runner.execute(StepInput(input_ids, positions, out_loc, [n for _, n in plan], kv_indices,
@@ -362,9 +365,37 @@ class Scheduler:
             return []
         return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_token_ids)
 
+    @staticmethod
+    def _constraint_mask(req: Req) -> bytes | None:
+        """The tokens the constraint allows next (llguidance's bitmask), None for any: also while the model
+        thinks; a first token that may open the thinking is allowed besides the constraint's."""
+        if req.matcher is None or len(req.gate) == 1:
+            return None
+        mask = req.matcher.compute_bitmask()
+        if req.gate:  # bit t % 8 of byte t // 8 (little-endian 32-bit words)
+            opening = req.gate[0]
+            mask = bytearray(mask)
+            if opening // 8 < len(mask):
+                mask[opening // 8] |= 1 << (opening % 8)
+            mask = bytes(mask)
+        return mask
+
+    @staticmethod
+    def _pass_gate(req: Req, token: int) -> bool:
+        """Whether `token` is the model's thinking (not fed to the constraint), moving past the markers."""
+        if not req.gate:
+            return False
+        if len(req.gate) == 2 and token != req.gate[0]:
+            req.gate = []  # the answer starts without thinking: this token is the constraint's first
+            return False
+        req.gate = req.gate[1:] if len(req.gate) == 2 or token == req.gate[0] else req.gate
+        return True
+
     def _append_token(self, req: Req, token: int, logprob: float | None, top: list | None) -> None:
         p = req.params
-        if req.matcher is not None and not req.matcher.consume_token(token) and token not in self.eos_token_ids:
+        gated = self._pass_gate(req, token)
+        if req.matcher is not None and not gated and not req.matcher.consume_token(token) \
+                and token not in self.eos_token_ids:
             # Not reachable while the mask is applied; kept out of the output if it ever happens.
             req.finish_reason = FinishReason.abort(f"constrained decoding failed: {req.matcher.get_error()}")
             return
@@ -385,7 +416,7 @@ class Scheduler:
                 req.finish_reason = FinishReason.stop(stop_str)
             elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.max_context_len:
                 req.finish_reason = FinishReason.length()
-            elif req.matcher is not None and req.matcher.is_stopped():
+            elif req.matcher is not None and not gated and req.matcher.is_stopped():
                 req.finish_reason = FinishReason.stop()  # the constraint is complete
 
     def _make_out(self, req: Req) -> TokenOut:
