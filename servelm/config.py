@@ -69,8 +69,9 @@ class ServerArgs:
     shutdown_timeout: float = _opt(5.0, "On SIGTERM/Ctrl-C, seconds that running requests get to finish before "
                                    "they are ended with an error (new requests get 503 at once).")
     tool_call_parser: str | None = _opt(None, "Read tool calls in the model's own format, which allows "
-                                        "tool_choice 'auto' (hermes: <tool_call>{...}</tool_call>, as Qwen2/3 "
-                                        "and Hermes models write them).", choices=["hermes"])
+                                        "tool_choice 'auto': hermes (Qwen2.5/3, Hermes), llama3_json, mistral, "
+                                        "pythonic, qwen3_coder, a plugin's name, or auto (from the chat "
+                                        "template).")
     reasoning_parser: str | None = _opt(None, "Split the model's thinking from its answer into reasoning_content: "
                                         "qwen3, deepseek_r1 (<think>...</think>), a plugin's name, or auto (from "
                                         "the chat template). Structured output and tool calls then apply to the "
@@ -124,6 +125,13 @@ class ServerArgs:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if self.tool_call_parser not in (None, "auto"):
+            from servelm.entrypoints.tool_parsers import parsers
+
+            known_parsers = parsers()
+            if self.tool_call_parser not in known_parsers:
+                raise ConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not known; choose one of: auto, "
+                                  f"{', '.join(known_parsers)}")
         if self.reasoning_parser not in (None, "auto"):
             from servelm.entrypoints.reasoning import formats
 

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from servelm.constrained import choice_regex
-from servelm.entrypoints import reasoning
+from servelm.entrypoints import reasoning, tool_parsers
 from servelm.entrypoints.http_common import ApiError, bad
 from servelm.entrypoints.openai_protocol import ResponseFormat
 from servelm.entrypoints.reasoning import ReasoningFormat, ReasoningStream
@@ -103,7 +103,8 @@ class OpenAIServing:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.manager = state.manager
-        self._reasoning: tuple[ReasoningFormat | None] | None = None
+        self._reasoning: tuple[ReasoningFormat | None] | None = None  # resolved on first use
+        self._tool_parser: tuple[str | None] | None = None
 
     def reasoning_format(self) -> ReasoningFormat | None:
         """The --reasoning-parser format (auto: from the chat template), resolved on first use."""
@@ -116,6 +117,17 @@ class OpenAIServing:
                             "no <think> markers)")
             self._reasoning = (fmt,)
         return self._reasoning[0]
+
+    def tool_parser_name(self) -> str | None:
+        """The --tool-call-parser (auto: picked from the chat template, None when it shows no known format)."""
+        if self._tool_parser is None:
+            name = self.state.server_args.tool_call_parser
+            template = getattr(self.manager.tokenizer, "chat_template", None)
+            self._tool_parser = (tool_parsers.resolve(name, template if isinstance(template, str) else None),)
+            if name == "auto":
+                logger.info("tool-call parser: %s", self._tool_parser[0] or "none (the chat template shows no known "
+                            "tool-call format)")
+        return self._tool_parser[0]
 
     def reasoning_stream(self, prompt: list[int]) -> ReasoningStream | None:
         """A splitter for one output of `prompt` (None without a reasoning parser)."""

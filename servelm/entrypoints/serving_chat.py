@@ -137,7 +137,7 @@ class ServingChat(OpenAIServing):
             raise bad("top_logprobs requires logprobs to be true", "top_logprobs")
         check_text_only(req)
         try:
-            tools = plan_tool_calls(req.tools, req.tool_choice, self.state.server_args.tool_call_parser,
+            tools = plan_tool_calls(req.tools, req.tool_choice, self.tool_parser_name(),
                                     parallel=req.parallel_tool_calls is not False)
         except ValueError as exc:
             raise bad(str(exc), "tool_choice") from None
@@ -211,7 +211,7 @@ class ChatStream:
         self.usage_now: UsageInfo | None = None  # of the output being rendered, with continuous_usage
         self.created = int(time.time())
         self.started: set[int] = set()
-        self.hermes: dict[int, HermesStream] = {}
+        self.tool_streams: dict[int, Any] = {}  # auto: each choice's parser stream (HermesStream's interface)
         self.constrained: dict[int, ConstrainedCallStream] = {}
         self.splits: dict[int, ReasoningStream | None] = {}  # with a reasoning parser: each choice's splitter
         self.reasoning_counts: dict[int, int] = {}
@@ -251,7 +251,7 @@ class ChatStream:
             yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(
                 reasoning_content=thinking, reasoning=thinking))])
         if self.tools is not None and self.tools.auto:
-            yield from self.render_hermes(index, out, acc)
+            yield from self.render_auto(index, out, acc)
         elif self.tools is not None:
             yield from self.render_constrained(index, out, acc)
         elif out.text or thinking or out.finish_reason is not None or out.logprobs or (
@@ -288,11 +288,13 @@ class ChatStream:
                 index=index, finish_reason=finish, logprobs=self.logprobs(out),
                 delta=DeltaMessage(content=content, tool_calls=deltas or None))])
 
-    def render_hermes(self, index: int, out: TokenOut, acc: Accumulated) -> Iterator[str]:
-        """Auto (hermes): the text before the model starts a call streams as content, the calls follow as
-        they are written, and the last delta has any text after them (and the logprobs, if asked)."""
+    def render_auto(self, index: int, out: TokenOut, acc: Accumulated) -> Iterator[str]:
+        """Auto (the --tool-call-parser's format): the text before the model starts a call streams as content,
+        the calls follow as they are written, and the last delta has any text after them (and the logprobs)."""
         assert self.tools is not None
-        parser = self.hermes.setdefault(index, HermesStream())
+        if index not in self.tool_streams:
+            self.tool_streams[index] = self.tools.parser.stream() if self.tools.parser is not None else HermesStream()
+        parser = self.tool_streams[index]
         content = parser.feed(out.text)
         deltas = parser.call_deltas()
         if out.finish_reason is None:

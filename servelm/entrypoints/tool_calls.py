@@ -4,9 +4,9 @@ A named function or `tool_choice="required"` turns into a JSON schema that the
 output must follow (servelm.constrained), so the call is well formed whatever
 the model; the text is then read back as tool calls. `"auto"` lets the model
 choose, so its output is read with a parser for the model family's own format
-(`--tool-call-parser hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-as Qwen2/Qwen3 and Hermes models write it); without a parser it is refused with
-a message that says what to use instead.
+(`--tool-call-parser`: hermes here, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+as Qwen2/Qwen3 and Hermes models write it; the others in servelm.entrypoints.tool_parsers);
+without a parser it is refused with a message that says what to use instead.
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ class ToolPlan:
 
     schema: dict[str, Any] | None  # the constraint; None for auto
     named: str | None = None  # the forced function; None for "required" (a JSON list of {name, parameters})
+    parser: Any = None  # auto: the model family's format (a servelm.entrypoints.tool_parsers.ToolParser)
 
     @property
     def auto(self) -> bool:
@@ -247,7 +248,7 @@ class ToolPlan:
         """(content, calls) of a finished output. Output that reads as no call (a "required" list cut off by
         max_tokens) stays visible as the content."""
         if self.auto:
-            return parse_hermes(text)
+            return self.parser.parse(text) if self.parser is not None else parse_hermes(text)
         if self.named is not None:
             return None, [ToolCall(id=random_id("call"), function=FunctionCall(name=self.named, arguments=text))]
         try:
@@ -276,7 +277,9 @@ def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolCh
     if tool_choice in (None, "auto"):
         if parser is None:
             raise ValueError(AUTO_UNSUPPORTED)
-        return ToolPlan(None)
+        from servelm.entrypoints.tool_parsers import make_parser
+
+        return ToolPlan(None, parser=make_parser(parser, tools))
     by_name = {t.function.name: t for t in tools}
     if isinstance(tool_choice, NamedToolChoice):
         tool = by_name.get(tool_choice.function.name)
