@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import yaml
+from servelm.dataclass_flags import ConfigError, add_flags, load_config_file, opt, values_of
+
+__all__ = ["HTTP_SERVER_FIELDS", "ConfigError", "ServerArgs", "load_config_file"]
 
 # Fields only the HTTP server reads (the offline commands accept them but leave them out of --help).
 HTTP_SERVER_FIELDS = frozenset({
@@ -22,17 +23,7 @@ HTTP_SERVER_FIELDS = frozenset({
 })
 
 
-class ConfigError(ValueError):
-    """A server argument is invalid; the message says which and why."""
-
-
-def _opt(default: Any, help: str, *, choices: list | None = None, aliases: tuple[str, ...] = (),
-         negations: tuple[str, ...] = ()) -> Any:
-    """A field and its flag. `aliases` are other names of the flag (vLLM's and SGLang's spellings);
-    `negations` are flags that set a bool field back to False (e.g. vLLM's --enable-prefix-caching for
-    --disable-radix-cache)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases,
-                                            "negations": negations})
+_opt = opt  # the fields below: help, choices, aliases, negations (servelm.dataclass_flags)
 
 
 @dataclass(frozen=True)
@@ -145,42 +136,12 @@ class ServerArgs:
     def add_cli_args(parser: argparse.ArgumentParser, hidden: frozenset[str] = frozenset()) -> None:
         """Add one flag per field; defaults, types and help come from the field. Fields in `hidden` are
         still accepted but left out of --help (e.g. the HTTP server's flags under `servelm generate`)."""
-        parser.add_argument("--config", default=None, help="YAML file of arguments (CLI flags win).")
-        for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
-            names = [flag, *f.metadata.get("aliases", ())]
-            help_text = argparse.SUPPRESS if f.name in hidden else f.metadata.get("help", "")
-            if f.type in ("bool", bool):
-                parser.add_argument(*names, dest=f.name, action="store_true", default=f.default, help=help_text)
-                negations = f.metadata.get("negations", ())
-                if negations:
-                    parser.add_argument(*negations, dest=f.name, action="store_false",
-                                        help=argparse.SUPPRESS if f.name in hidden else
-                                        f"The opposite of {flag} (the default).")
-                continue
-            ftype = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-            choices = f.metadata.get("choices")
-            if choices and ftype is str:
-                ftype = str.lower  # --log-level INFO works too
-            parser.add_argument(*names, dest=f.name, type=ftype, default=f.default, choices=choices,
-                                help=help_text if f.name in hidden else f"{help_text} (default: {f.default})")
+        add_flags(parser, ServerArgs, hidden)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
-        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)}
-        config_path = getattr(ns, "config", None)
-        if config_path:
-            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-            for key, value in load_config_file(config_path).items():
-                name = key.replace("-", "_")
-                if name == "model":
-                    name = "model_path"
-                if name not in defaults:
-                    raise ConfigError(f"unknown key '{key}' in config file {config_path}")
-                # A flag given on the command line beats the file.
-                if values.get(name) == defaults[name]:
-                    values[name] = value
-        return cls(**values)
+        """The flags, then the --config file's keys for flags the command line did not give."""
+        return cls(**values_of(ns, cls))
 
     @property
     def tp_ranks_per_node(self) -> int:
@@ -189,13 +150,3 @@ class ServerArgs:
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
-
-
-def load_config_file(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of argument names to values")
-    return data

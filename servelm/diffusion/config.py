@@ -3,56 +3,41 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from servelm.cli.serve import StrictArgumentParser
-from servelm.config import ConfigError, load_config_file
+from servelm.dataclass_flags import ConfigError, add_flags, opt, values_of
 
 PROG = "servelm serve --model-type diffusion"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-_HELP = {
-    "model_path": "A local diffusers folder (with model_index.json).",
-    "host": "Host to bind.",
-    "port": "Port to bind.",
-    "api_key": "Require this bearer token on every API request.",
-    "served_model_name": "Model name reported by the API (defaults to the model path).",
-    "device": "auto (cuda when available, else cpu), cpu, cuda or cuda:N.",
-    "dtype": "auto: float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported).",
-    "max_batch_size": "Most images denoised together in one batch (requests are never split).",
-    "max_queued_requests": "Requests waiting beyond those running; more get 429 with Retry-After.",
-    "batch_wait_ms": "How long an idle scheduler waits for more requests to join a batch (small next to a "
-                     "denoising call).",
-    "max_image_size": "Largest width or height accepted, in pixels.",
-    "max_inference_steps": "Largest num_inference_steps accepted.",
-    "image_store_size": "Edited images kept for GET /v1/images/{id}/content (response_format=url), LRU.",
-    "shutdown_timeout": "On SIGTERM, seconds running requests get to finish (none on Ctrl-C).",
-    "log_level": "Log level.",
-    "num_threads": "CPU threads of the pipeline (default: the CPUs available, fewer while other processes keep "
-                   "them busy).",
-}
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
 @dataclass(frozen=True)
 class DiffusionServerArgs:
     """Every option of the diffusion server; `add_cli_args` makes one flag per field."""
 
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    device: str = "auto"
-    dtype: str = "auto"
-    max_batch_size: int = 4
-    max_queued_requests: int = 32
-    batch_wait_ms: float = 50.0
-    max_image_size: int = 2048
-    max_inference_steps: int = 500
-    image_store_size: int = 64
-    shutdown_timeout: float = 30.0
-    log_level: str = "info"
-    num_threads: int | None = None
+    model_path: str = field(metadata={"help": "A local diffusers folder (with model_index.json).",
+                                      "aliases": ("--model",)})
+    host: str = opt("127.0.0.1", "Host to bind.")
+    port: int = opt(30000, "Port to bind.")
+    api_key: str | None = opt(None, "Require this bearer token on every API request.")
+    served_model_name: str | None = opt(None, "Model name reported by the API (defaults to the model path).")
+    device: str = opt("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N.")
+    dtype: str = opt("auto", "auto: float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported).",
+                     choices=DTYPES)
+    max_batch_size: int = opt(4, "Most images denoised together in one batch (requests are never split).")
+    max_queued_requests: int = opt(32, "Requests waiting beyond those running; more get 429 with Retry-After.")
+    batch_wait_ms: float = opt(50.0, "How long an idle scheduler waits for more requests to join a batch (small "
+                                     "next to a denoising call).")
+    max_image_size: int = opt(2048, "Largest width or height accepted, in pixels.")
+    max_inference_steps: int = opt(500, "Largest num_inference_steps accepted.")
+    image_store_size: int = opt(64, "Edited images kept for GET /v1/images/{id}/content (response_format=url), "
+                                    "LRU.")
+    shutdown_timeout: float = opt(30.0, "On SIGTERM, seconds running requests get to finish (none on Ctrl-C).")
+    log_level: str = opt("info", "Log level.", choices=LOG_LEVELS)
+    num_threads: int | None = opt(None, "CPU threads of the pipeline (default: the CPUs available, fewer while "
+                                        "other processes keep them busy).")
 
     def __post_init__(self) -> None:
         checks = [
@@ -76,35 +61,13 @@ class DiffusionServerArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--config", default=None, help="YAML file of arguments (CLI flags win).")
-        for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kwargs: dict = {"help": _HELP[f.name], "dest": f.name}
-            if f.name == "model_path":
-                parser.add_argument(flag, "--model", default=None, **kwargs)
-                continue
-            kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-            if f.default is not None:
-                kwargs["help"] += f" (default: {f.default})"
-            if f.name == "dtype":
-                kwargs["choices"] = DTYPES
-            if f.name == "log_level":
-                kwargs["choices"] = ["debug", "info", "warning", "error"]
-            parser.add_argument(flag, type=kind, default=f.default, **kwargs)
+        add_flags(parser, cls)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> DiffusionServerArgs:
-        """The flags, then the `--config` file's keys for flags left at their default (as ServerArgs)."""
-        values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
-        defaults = {f.name: (None if f.name == "model_path" else f.default) for f in dataclasses.fields(cls)}
-        if ns.config:
-            for key, value in load_config_file(ns.config).items():
-                name = "model_path" if key == "model" else key.replace("-", "_")
-                if name not in defaults:
-                    raise ConfigError(f"unknown key '{key}' in config file {ns.config}")
-                if values[name] == defaults[name]:
-                    values[name] = value
-        if not values["model_path"]:
+        """The flags, then the `--config` file's keys for flags the command line did not give (as ServerArgs)."""
+        values = values_of(ns, cls)
+        if not values.get("model_path"):
             raise ConfigError("--model-path is required. Please provide the path to the model.")
         return cls(**values)
 
