@@ -206,3 +206,31 @@ def context_length_error(prompt_len: int, max_new_tokens: int | None, context_le
                 f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the {prompt}, {max_new_tokens} in the "
                 f"completion). Please reduce the length of the {prompt} or {limit}.")
     return None
+
+
+# ----------------------------------------------------------------- one step's rows (scheduler -> sampler)
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    seed: int
+    sample_index: int
+    position: int  # position of the token being sampled
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_new_tokens
+    # A scoring row (prompt logprobs): the token at `position` is given; report its raw logprob and the
+    # top alternatives instead of drawing one.
+    target: int | None = None
+    # A constrained request's allowed next tokens, as llguidance's bitmask (servelm.constrained).
+    allowed: bytes | None = None
+
+    @property
+    def wants_logprob(self) -> bool:
+        return self.params.logprobs or self.target is not None
+
+
+@dataclass
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[list[tuple[int, float]] | None]

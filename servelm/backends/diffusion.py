@@ -16,12 +16,13 @@ from typing import Any
 
 import yaml
 
-from servelm.cli.serve import CliError, wants_help
 from servelm.cli.serve_backends import (
     SERVE_BACKEND_API_VERSION,
+    CliError,
     ServeBackend,
     ServeBackendDetection,
     ServeRequest,
+    wants_help,
 )
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import logging
 
-from servelm.cli.serve import CliError, StrictArgumentParser, wants_help
-from servelm.cli.serve_backends import SERVE_BACKEND_API_VERSION, ServeBackend, ServeRequest
+from servelm.cli.serve_backends import (
+    SERVE_BACKEND_API_VERSION,
+    CliError,
+    ServeBackend,
+    ServeRequest,
+    StrictArgumentParser,
+    wants_help,
+)
 from servelm.config import ServerArgs
 from servelm.cpu_threads import configure_cpu_threads, describe_threads
 

@@ -9,22 +9,24 @@ to the chosen backend, which parses its own argv.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import difflib
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import psutil
 
 from servelm.cli.serve_backends import (
+    HELP_FLAGS,  # noqa: F401  (re-exported with the two below: they moved to the plugin API module)
+    CliError,
     ServeBackendRegistry,
     ServeRequest,
+    StrictArgumentParser,  # noqa: F401
     default_registry,
+    wants_help,
 )
 from servelm.config import ConfigError, load_config_file
 
@@ -34,47 +36,8 @@ AUTO = "auto"
 MODEL_PATH_REQUIRED = "--model-path is required. Please provide the path to the model."
 MODEL_PATH_FLAGS = ("--model-path", "--model")
 MODEL_PATH_CONFIG_KEYS = ("model-path", "model_path", "model")
-HELP_FLAGS = ("-h", "--help")
 
 T = TypeVar("T")
-
-
-class CliError(Exception):
-    """A mistake the user can fix; printed as `Error: <message>`, exit code 1, no traceback.
-
-    `original` keeps the registry exception this wraps, so that the printer can
-    follow its `__cause__` chain (`caused by:` lines) and the debug traceback
-    shows where it really came from.
-    """
-
-    def __init__(self, message: str, original: BaseException | None = None) -> None:
-        super().__init__(message)
-        self.original = original
-
-
-class StrictArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise CliError instead of printing usage and exiting 2."""
-
-    def error(self, message: str) -> NoReturn:
-        raise CliError(f"{self.prog}: {message}{self._suggestions(message)}")
-
-    def _suggestions(self, message: str) -> str:
-        """` (did you mean --x?)` for misspelt flags in an "unrecognized arguments" message."""
-        if not message.startswith("unrecognized arguments:"):
-            return ""
-        known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
-        hints = []
-        for token in message.partition(":")[2].split():
-            flag = token.partition("=")[0]
-            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7) if flag.startswith("--") else []
-            if close:
-                hints.append(close[0])
-        return f" (did you mean {', '.join(hints)}?)" if hints else ""
-
-
-def wants_help(argv: Sequence[str]) -> bool:
-    """True when argv asks for help (`-h` or `--help` anywhere)."""
-    return any(tok in HELP_FLAGS for tok in argv)
 
 
 def registry_call(fn: Callable[..., T], *args: Any) -> T:

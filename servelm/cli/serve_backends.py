@@ -12,13 +12,57 @@ provider the first time `get()` asks for it by name.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import enum
 import importlib
 import importlib.metadata
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
+
+HELP_FLAGS = ("-h", "--help")
+
+
+# What a backend needs to read its own argv (the backends import these from here, not from cli/serve.py).
+class CliError(Exception):
+    """A mistake the user can fix; printed as `Error: <message>`, exit code 1, no traceback.
+
+    `original` keeps the registry exception this wraps, so that the printer can
+    follow its `__cause__` chain (`caused by:` lines) and the debug traceback
+    shows where it really came from.
+    """
+
+    def __init__(self, message: str, original: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.original = original
+
+
+class StrictArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise CliError instead of printing usage and exiting 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CliError(f"{self.prog}: {message}{self._suggestions(message)}")
+
+    def _suggestions(self, message: str) -> str:
+        """` (did you mean --x?)` for misspelt flags in an "unrecognized arguments" message."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        hints = []
+        for token in message.partition(":")[2].split():
+            flag = token.partition("=")[0]
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.7) if flag.startswith("--") else []
+            if close:
+                hints.append(close[0])
+        return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """True when argv asks for help (`-h` or `--help` anywhere)."""
+    return any(tok in HELP_FLAGS for tok in argv)
+
 
 logger = logging.getLogger(__name__)
 

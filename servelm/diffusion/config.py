@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from servelm.cli.serve import StrictArgumentParser
+from servelm.cli.serve_backends import StrictArgumentParser
 from servelm.dataclass_flags import ConfigError, add_flags, opt, values_of
 
 PROG = "servelm serve --model-type diffusion"

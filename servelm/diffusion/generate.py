@@ -8,7 +8,7 @@ import re
 import time
 from pathlib import Path
 
-from servelm.cli.serve import CliError, StrictArgumentParser
+from servelm.cli.serve_backends import CliError, StrictArgumentParser
 from servelm.diffusion.config import DTYPES
 from servelm.diffusion.protocol import MAX_IMAGES, parse_size
 from servelm.entrypoints.http_common import ApiError

@@ -14,11 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from typing import Any
 
 import pydantic
@@ -32,7 +28,6 @@ from servelm.entrypoints.chat_page import is_open_path, mount_chat_page
 from servelm.entrypoints.http_common import (
     ApiError,
     GuardMiddleware,
-    ServerLifecycle,
     bad,
     health_response,
     install_error_handlers,
@@ -48,13 +43,13 @@ from servelm.entrypoints.openai_protocol import (
     TokenizeRequest,
 )
 from servelm.entrypoints.responses_protocol import ResponseObject, ResponsesRequest
+from servelm.entrypoints.server_state import ServerState  # re-exported: launch builds it
 from servelm.entrypoints.serving_chat import ServingChat
 from servelm.entrypoints.serving_completions import ServingCompletions
 from servelm.entrypoints.serving_native import ServingNative
 from servelm.entrypoints.serving_responses import ServingResponses
 from servelm.entrypoints.serving_score import ScoreRequest, ScoreResponse, ServingScore
-from servelm.managers.tokenizer_manager import SchedulerUnavailableError, TokenizerManager
-from servelm.metrics import ServerMetrics
+from servelm.managers.tokenizer_manager import SchedulerUnavailableError
 
 logger = logging.getLogger("servelm.http_server")
 
@@ -72,28 +67,6 @@ def served_model_name(server_args: ServerArgs) -> str:
         return os.path.splitext(os.path.basename(default_model_path()))[0]
     except Exception:
         return "default"
-
-
-# ------------------------------------------------------------------ state
-@dataclass
-class ServerState(ServerLifecycle):
-    """What the endpoints share: configuration, the tokenizer manager and lifecycle flags."""
-
-    server_args: ServerArgs
-    model_name: str
-    manager: TokenizerManager
-    metrics: ServerMetrics
-    started_at: float = field(default_factory=time.monotonic)
-    proc: Any = None  # the scheduler process
-    ready_reader: Connection | None = None
-    stop_event: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def api_key(self) -> str | None:
-        return self.server_args.api_key
-
-    def on_fail(self, message: str) -> None:
-        self.manager.fail_all(message)
 
 
 # ------------------------------------------------------------- the app

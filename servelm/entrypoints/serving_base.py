@@ -33,7 +33,7 @@ from servelm.sampling_params import (
 )
 
 if TYPE_CHECKING:
-    from servelm.entrypoints.http_server import ServerState
+    from servelm.entrypoints.server_state import ServerState
 
 logger = logging.getLogger(__name__)
 

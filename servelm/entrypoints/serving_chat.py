@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from servelm.entrypoints import tool_parsers
 from servelm.entrypoints.http_common import bad
 from servelm.entrypoints.openai_protocol import (
     ChatCompletionChoice,
@@ -137,7 +138,9 @@ class ServingChat(OpenAIServing):
             raise bad("top_logprobs requires logprobs to be true", "top_logprobs")
         check_text_only(req)
         try:
-            tools = plan_tool_calls(req.tools, req.tool_choice, self.tool_parser_name(),
+            parser_name = self.tool_parser_name() if req.tools else None
+            parser = tool_parsers.make_parser(parser_name, req.tools) if parser_name else None
+            tools = plan_tool_calls(req.tools, req.tool_choice, parser,
                                     parallel=req.parallel_tool_calls is not False)
         except ValueError as exc:
             raise bad(str(exc), "tool_choice") from None

@@ -266,8 +266,9 @@ class ToolPlan:
 
 
 def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolChoice | None,
-                    parser: str | None = None, parallel: bool = True) -> ToolPlan | None:
-    """None when the output is free text; ValueError (about tool_choice) when the choice cannot be served."""
+                    parser: Any = None, parallel: bool = True) -> ToolPlan | None:
+    """None when the output is free text; ValueError (about tool_choice) when the choice cannot be served.
+    `parser`: the --tool-call-parser's `ToolParser` for this request's tools (auto needs one)."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ValueError("tool_choice needs tools")
@@ -277,9 +278,7 @@ def plan_tool_calls(tools: list[ChatTool] | None, tool_choice: str | NamedToolCh
     if tool_choice in (None, "auto"):
         if parser is None:
             raise ValueError(AUTO_UNSUPPORTED)
-        from servelm.entrypoints.tool_parsers import make_parser
-
-        return ToolPlan(None, parser=make_parser(parser, tools))
+        return ToolPlan(None, parser=parser)
     by_name = {t.function.name: t for t in tools}
     if isinstance(tool_choice, NamedToolChoice):
         tool = by_name.get(tool_choice.function.name)

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from servelm.constrained import allowed_tokens
-from servelm.managers.schedule_batch import SampleOutput, SamplingRow
-from servelm.sampling_params import SamplingParams
+from servelm.sampling_params import SampleOutput, SamplingParams, SamplingRow
 
 _MASK64 = (1 << 64) - 1
 

@@ -10,34 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from servelm.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRow:
-    params: SamplingParams
-    seed: int
-    sample_index: int
-    position: int  # position of the token being sampled
-    prompt_ids: list[int]
-    output_ids: list[int]
-    banned_ids: list[int] = field(default_factory=list)  # e.g. EOS before min_new_tokens
-    # A scoring row (prompt logprobs): the token at `position` is given; report its raw logprob and the
-    # top alternatives instead of drawing one.
-    target: int | None = None
-    # A constrained request's allowed next tokens, as llguidance's bitmask (servelm.constrained).
-    allowed: bytes | None = None
-
-    @property
-    def wants_logprob(self) -> bool:
-        return self.params.logprobs or self.target is not None
-
-
-@dataclass
-class SampleOutput:
-    token_ids: list[int]
-    logprobs: list[float | None]
-    top_logprobs: list[list[tuple[int, float]] | None]
+# The sampler's rows live with the sampling params (layers/ must not import managers/); re-exported here.
+from servelm.sampling_params import SampleOutput, SamplingRow  # noqa: F401
 
 
 @dataclass

@@ -16,13 +16,11 @@ tests use it to run a stand-in scheduler without a model.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import logging
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -45,39 +43,17 @@ from servelm.managers.io_struct import (
     decode,
     encode,
 )
+from servelm.managers.parent_watch import die_with_parent
 
 logger = logging.getLogger("servelm.scheduler_process")
 
 SCHEDULER_FACTORY_ENV = "SERVELM_SCHEDULER_FACTORY"
-_PR_SET_PDEATHSIG = 1
 _IDLE_POLL_MS = 250
 STATS_INTERVAL_S = 10.0  # how often a busy server logs its throughput line
 # Step statistics ride on the next output message; without outputs (non-streamed decoding) they go on their
 # own after this many steps or seconds, so /metrics lags a busy scheduler by at most that much.
 STEP_STATS_MAX_STEPS = 256
 STEP_STATS_MAX_AGE_S = 1.0
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Make this process exit when `parent_pid` dies, however it dies (even SIGKILL).
-
-    Linux's PR_SET_PDEATHSIG does it in the kernel; a thread polling the
-    parent pid covers other systems and the window before prctl took effect.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _load_factory() -> Any:

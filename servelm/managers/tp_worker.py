@@ -65,7 +65,7 @@ def with_dist_init_addr(server_args: ServerArgs) -> ServerArgs:
 
 
 def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None:
-    from servelm.managers.scheduler_process import die_with_parent
+    from servelm.managers.parent_watch import die_with_parent
     from servelm.model_executor.model_runner import ModelRunner
 
     die_with_parent(parent_pid)

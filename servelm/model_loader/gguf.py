@@ -21,12 +21,8 @@ from gguf.quants import dequantize
 
 from servelm.kernels import quant
 from servelm.kernels.quant import QuantWeight
-from servelm.model_loader.source import (
-    ModelSource,
-    ModelSourceError,
-    UnsupportedArchitectureError,
-    UnsupportedQuantizationError,
-)
+from servelm.model_loader.base import ModelSource, UnsupportedQuantizationError
+from servelm.model_loader.model_path import ModelSourceError, UnsupportedArchitectureError
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from servelm.model_loader.model_path import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, read_hf_config
-from servelm.model_loader.source import ModelSource, ModelSourceError
+from servelm.model_loader.base import ModelSource
+from servelm.model_loader.model_path import SAFETENSORS_FILE, SAFETENSORS_INDEX_FILE, ModelSourceError, read_hf_config
 
 SINGLE_FILE = SAFETENSORS_FILE
 INDEX_FILE = SAFETENSORS_INDEX_FILE

@@ -19,6 +19,7 @@ from servelm.entrypoints.tool_calls import (
     plan_tool_calls,
     template_messages,
 )
+from servelm.entrypoints.tool_parsers import make_parser
 
 TOOLS = [ChatTool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})]
 TEXT = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -34,7 +35,7 @@ def test_plans() -> None:
     with pytest.raises(ValueError, match="'g', which is not in tools"):
         plan_tool_calls(TOOLS, NamedToolChoice.model_validate({"function": {"name": "g"}}))
     assert plan_tool_calls(TOOLS, "none") is None and plan_tool_calls(None, None) is None
-    auto = plan_tool_calls(TOOLS, "auto", "hermes")
+    auto = plan_tool_calls(TOOLS, "auto", make_parser("hermes", TOOLS))
     assert auto is not None and auto.auto and auto.json_schema() is None
     named = plan_tool_calls(TOOLS, NamedToolChoice.model_validate({"function": {"name": "f"}}))
     assert named is not None and named.read('{"a": 1}')[1][0].function.arguments == '{"a": 1}'

@@ -69,7 +69,7 @@ def _calls(calls: list) -> list[tuple[str, dict]]:
 def test_whole_output(name: str, text: str, content: str | None, calls: list) -> None:
     got_content, got_calls = make_parser(name, TOOLS).parse(text)
     assert got_content == content and _calls(got_calls) == calls
-    plan = plan_tool_calls(TOOLS, "auto", name)
+    plan = plan_tool_calls(TOOLS, "auto", make_parser(name, TOOLS))
     assert plan is not None and plan.auto and _calls(plan.read(text)[1]) == calls
 
 
