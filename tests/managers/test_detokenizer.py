@@ -80,3 +80,52 @@ def test_stop_regex_keeps_the_match_and_drops_a_pathological_pattern() -> None:
     slow = IncrementalDetokenizer(ByteTokenizer(), stop_regex=["(x+x+)+y"])  # type: ignore[arg-type]
     slow.text = "x" * 5000
     assert slow._check_stop_regex() is None and slow.stop_regex == []
+
+
+# ------------------------------------------------------------------ the fast path: tokenizers' DecodeStream
+def _default_tokenizer():
+    from servelm.model_loader.default_model import default_model_path
+    from servelm.model_loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+PROSE = "It is a truth universally acknowledged — héllo wörld, 日本語 🙂🙂 «quotes»\nand a new line."
+
+
+def _pieces(detok: IncrementalDetokenizer, ids: list[int]) -> tuple[list[str], str | None]:
+    pieces = []
+    for token in ids:
+        stop = detok.add(token)
+        pieces.append(detok.take(stop is not None))
+        if stop is not None:
+            return pieces, stop
+    detok.flush()
+    pieces.append(detok.take(True))
+    return pieces, None
+
+
+def test_a_fast_tokenizer_streams_with_decode_stream_and_gives_the_windows_pieces() -> None:
+    tok = _default_tokenizer()
+    ids = tok.encode(PROSE, add_special_tokens=False)
+    fast = IncrementalDetokenizer(tok)
+    window = IncrementalDetokenizer(tok)
+    window._stream = None  # the two-decode window
+    assert fast._stream is not None
+    got, want = _pieces(fast, ids), _pieces(window, ids)
+    assert got == want and "".join(got[0]) == PROSE and "\ufffd" not in "".join(got[0])
+    assert "" in got[0]  # an emoji's first tokens wait for its last
+
+
+def test_the_fast_path_flushes_an_incomplete_character_and_finds_stop_strings() -> None:
+    tok = _default_tokenizer()
+    emoji = tok.encode("🙂", add_special_tokens=False)
+    assert len(emoji) > 1
+    detok = IncrementalDetokenizer(tok)
+    detok.add(emoji[0])
+    assert detok.take(False) == ""
+    detok.flush()
+    assert detok.take(True) == tok.decode(emoji[:1])  # as decode() shows the cut-off bytes
+    detok = IncrementalDetokenizer(tok, stop=["wörld"])
+    pieces, stop = _pieces(detok, tok.encode(PROSE, add_special_tokens=False))
+    assert stop == "wörld" and "".join(pieces) == PROSE[:PROSE.index("wörld")]
