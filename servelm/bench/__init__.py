@@ -12,6 +12,7 @@ BENCHES = {
     "deterministic": "servelm.bench.deterministic",
     "images": "servelm.bench.images",
     "quant": "servelm.bench.quant_probe",
+    "detokenize": "servelm.bench.detokenize",
 }
 
 

@@ -8,7 +8,7 @@ over the previous one, waiting while the text ends in an incomplete character
 (U+FFFD). The window costs two decode() calls a token: 10.5 us against
 DecodeStream's 1.4 us a token, 32 streams of 1,200 tokens of prose on the
 default model's tokenizer, one core of a shared AMD EPYC, medians of 5
-(/tmp script; the same text both ways).
+(`servelm bench detokenize`; the same text both ways).
 """
 
 from __future__ import annotations

@@ -55,3 +55,11 @@ def test_one_batch_competing_load_reports_idle_and_busy(tiny_llama, tmp_path: Pa
     assert row["busy_decode_ratio"] == pytest.approx(row["busy_decode_tok_s"] / row["decode_tok_s"])
     text = capsys.readouterr().out
     assert "with 1 competing process(es)" in text and "CPU threads" in text
+
+
+def test_detokenize_compares_both_paths_on_the_same_text(capsys: pytest.CaptureFixture[str]) -> None:
+    from servelm.bench import main as bench_main
+
+    assert bench_main(["detokenize", "--streams", "2", "--tokens", "300", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "300 tokens x 2 streams" in out and "DecodeStream" in out and "same text: True" in out
