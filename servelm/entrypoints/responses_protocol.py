@@ -94,10 +94,13 @@ class ReasoningItem(_Response):
 
 class ResponseUsage(_Response):
     input_tokens: int
+    # cached_tokens: read from the prefix cache; cache_write_tokens: the prompt tokens this response added to it
     input_tokens_details: dict[str, int]
     output_tokens: int
     output_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
     total_tokens: int
+    prompt_tokens: int = 0  # the chat API's names of input_tokens and output_tokens (SGLang reports both)
+    completion_tokens: int = 0
 
 
 Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]

@@ -93,7 +93,7 @@ def text_format_schema(req: ResponsesRequest) -> str | None:
     return json.dumps(fmt.schema_)
 
 
-def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None) -> None:
+def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None, prefix_cache: bool = True) -> None:
     """Fill the entry's response from a finished request's outputs; with a reasoning parser (`entry.split`: fed
     the whole output already by a stream, or here) its thinking is a reasoning item before the message."""
     resp, reason, split = entry.response, acc.finish_reason, entry.split
@@ -121,11 +121,13 @@ def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None) -> None:
         if split is not None and split.reasoning_text else []
     resp.output = [*thinking, OutputMessage(id=ids.get(OutputMessage, OutputMessage().id), status=status,
                                             content=[OutputText(text=text)])]
+    writes = acc.prompt_tokens - acc.cached_tokens if prefix_cache else 0
     resp.usage = ResponseUsage(input_tokens=acc.prompt_tokens,
-                               input_tokens_details={"cached_tokens": acc.cached_tokens},
+                               input_tokens_details={"cached_tokens": acc.cached_tokens, "cache_write_tokens": writes},
                                output_tokens=acc.completion_tokens,
                                output_tokens_details={"reasoning_tokens": reasoning_tokens},
-                               total_tokens=acc.prompt_tokens + acc.completion_tokens)
+                               total_tokens=acc.prompt_tokens + acc.completion_tokens,
+                               prompt_tokens=acc.prompt_tokens, completion_tokens=acc.completion_tokens)
     entry.messages.append({"role": "assistant", "content": text})
 
 
@@ -134,6 +136,7 @@ class ServingResponses(OpenAIServing):
 
     def __init__(self, state: Any, store_size: int = STORE_SIZE) -> None:
         super().__init__(state)
+        self.prefix_cache = not state.server_args.disable_radix_cache
         self.store = ResponseStore(store_size)
         self._background: set[asyncio.Task] = set()
 
@@ -220,7 +223,7 @@ class ServingResponses(OpenAIServing):
         if not isinstance(result, list):  # the client hung up: its request was aborted
             resp.status = "cancelled"
             return result
-        finish(entry, result[0], self.manager.tokenizer)
+        finish(entry, result[0], self.manager.tokenizer, self.prefix_cache)
         return resp
 
     async def _collect_in_background(self, group: RequestGroup, entry: Stored) -> None:
@@ -232,7 +235,7 @@ class ServingResponses(OpenAIServing):
         except Exception as exc:  # e.g. the scheduler went away: the response fails, it does not stay in progress
             entry.response.status, entry.response.error = "failed", {"code": "server_error", "message": str(exc)}
             return
-        finish(entry, acc, self.manager.tokenizer)
+        finish(entry, acc, self.manager.tokenizer, self.prefix_cache)
 
     def _stream(self, group: RequestGroup, entry: Stored) -> AsyncIterator[str]:
         """The Responses streaming events: created, in_progress; with a reasoning parser, the reasoning item
@@ -284,7 +287,7 @@ class ServingResponses(OpenAIServing):
                 yield event("response.output_text.delta", delta=answer, logprobs=[], **where(msg))
             if out.finish_reason is None:
                 return
-            finish(entry, acc, self.manager.tokenizer)
+            finish(entry, acc, self.manager.tokenizer, self.prefix_cache)
             item = resp.output[-1]
             yield event("response.output_text.done", text=item.content[0].text, logprobs=[], **where(item))
             yield event("response.content_part.done", part=item.content[0].model_dump(), **where(item))

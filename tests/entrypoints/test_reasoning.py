@@ -164,7 +164,8 @@ def server(thinking_model: tuple[Path, int], tmp_path_factory: pytest.TempPathFa
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60,
+                         _strict_response_validation=True)
 
 
 MESSAGES = [{"role": "user", "content": "2+2?"}]

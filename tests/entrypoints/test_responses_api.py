@@ -23,7 +23,8 @@ def server(parity_server: ServerProcess) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60,
+                         _strict_response_validation=True)
 
 
 def chat_text(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> str:
