@@ -13,6 +13,8 @@ import torch
 from servelm.entrypoints.engine import Engine
 from servelm.layers import batch_invariant
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 
 @pytest.fixture(autouse=True)
 def _switch_off_afterwards() -> Iterator[None]:

@@ -14,6 +14,8 @@ import pytest
 from servelm.model_loader.model_path import ModelSourceError, check_model_path
 from tests.server_fixtures import free_port
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -21,6 +21,8 @@ from PIL import Image
 
 from tests.server_fixtures import ServerProcess, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 KEY = "sk-diffusion-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 FAST = {"num_inference_steps": 3}

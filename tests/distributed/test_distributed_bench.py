@@ -9,6 +9,8 @@ import pytest
 
 from servelm.bench.allreduce import main, parse_size
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 
 def test_parse_size() -> None:
     assert [parse_size(s) for s in ("16K", "1M", "4mb", "512", "0.5K")] == [16384, 1 << 20, 4 << 20, 512, 512]

@@ -12,6 +12,8 @@ from servelm.distributed import communicator as comm
 from servelm.distributed.parallel_state import TPGroup, broadcast_object, get_tp_group
 from servelm.distributed.quick_allreduce import error_bound
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 WARNING = "Quick allreduce is disabled due to an unsupported world size: {}. Supported world sizes: [2, 4, 8]."
 
 

@@ -16,6 +16,8 @@ from servelm.distributed.lm_head_all_to_all import (
 )
 from servelm.distributed.parallel_state import TPGroup, get_tp_group
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 A2A_ERROR = ("--enable-tp-lm-head-all-to-all requires a communicator that supports all-to-all "
              "(got backend fake).")
 

@@ -25,6 +25,8 @@ from servelm.distributed.parallel_state import (
     parse_dist_init_addr,
 )
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 UNBALANCED = ("The memory capacity is unbalanced. Some devices may be occupied by other processes. "
               "min={} local={}")
 

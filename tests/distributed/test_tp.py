@@ -20,6 +20,8 @@ from servelm.layers import batch_invariant
 from tests.conftest import build_tiny_model
 from tests.server_fixtures import REPO_ROOT, free_port, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": True, "prompt_logprobs": True}
 
 

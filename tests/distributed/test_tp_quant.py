@@ -16,6 +16,8 @@ from tests.distributed.test_tp import GREEDY, _assert_same, _prompts
 from tests.models.gguf_files import write_gguf
 from tests.test_deterministic import _switch_off_afterwards, _variants  # noqa: F401 (the fixture is autouse)
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 
 @pytest.fixture(scope="module")
 def q4_1_gguf(tmp_path_factory, default_tokenizer_dir) -> tuple[Path, Path]:

@@ -30,6 +30,8 @@ from servelm.distributed.parallel_state import get_tp_group, get_tp_rank
 from tests.conftest import build_tiny_model
 from tests.server_fixtures import REPO_ROOT, ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 # Startup collectives (the rendezvous above all: rank 0 waits there while its workers import torch)
 # have this deadline too, so it cannot be a few seconds on a busy 2-core machine.
 DIST_TIMEOUT_S = 20

@@ -15,6 +15,8 @@ import pytest
 
 from tests.server_fixtures import ServerProcess, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 MESSAGES = [{"role": "user", "content": "Name a color."}]
 CHAT, CMPL = "/v1/chat/completions", "/v1/completions"
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "blue"]}},

@@ -35,6 +35,8 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.remote.webelement import WebElement  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 WAIT_S = 60.0  # any one wait in a browser, on a busy machine
 KEY = "s3cret-key"
 SLOW_STEPS = {"SERVELM_SCHEDULER_FACTORY": "tests.server_fixtures:slow_step_scheduler",

@@ -13,6 +13,8 @@ import pytest
 from servelm.bench import deterministic
 from tests.server_fixtures import REPO_ROOT, ServerProcess, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 LINE = re.compile(r"^(Prompt \d+ \(.*?\)): Total samples: (\d+), Unique samples: (\d+)$", re.M)
 
 

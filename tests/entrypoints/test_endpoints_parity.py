@@ -19,6 +19,8 @@ from servelm import __version__
 from tests.entrypoints.conftest import PARITY_KV_TOKENS as KV_TOKENS
 from tests.server_fixtures import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 
 @pytest.fixture(scope="module")
 def server(parity_server: ServerProcess) -> ServerProcess:

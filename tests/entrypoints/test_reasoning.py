@@ -178,6 +178,7 @@ def _chat(client: openai.OpenAI, **kw: object) -> object:
                                           **{"max_tokens": 16, **kw})
 
 
+@pytest.mark.slow  # starts a server
 def test_reasoning_content_answer_and_reasoning_tokens(server: ServerProcess, client: openai.OpenAI,
                                                         thinking_model: tuple[Path, int]) -> None:
     r = _chat(client)
@@ -189,6 +190,7 @@ def test_reasoning_content_answer_and_reasoning_tokens(server: ServerProcess, cl
     assert "reasoning parser: qwen3" in server.log()
 
 
+@pytest.mark.slow  # starts a server
 def test_stream_gives_the_same_split(client: openai.OpenAI) -> None:
     thought, answer, usage = "", "", None
     for chunk in _chat(client, stream=True, stream_options={"include_usage": True}):
@@ -201,12 +203,14 @@ def test_stream_gives_the_same_split(client: openai.OpenAI) -> None:
     assert usage is not None and usage.completion_tokens_details.reasoning_tokens > 0
 
 
+@pytest.mark.slow  # starts a server
 def test_enable_thinking_false_is_all_answer(client: openai.OpenAI) -> None:
     r = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content == ANSWER and r.choices[0].message.reasoning_content is None  # type: ignore[attr-defined]
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
+@pytest.mark.slow  # starts a server
 def test_cut_off_while_thinking(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model="thinker", messages=MESSAGES, temperature=0, max_tokens=2)
     msg = r.choices[0].message
@@ -215,6 +219,7 @@ def test_cut_off_while_thinking(client: openai.OpenAI) -> None:
     assert r.usage.completion_tokens_details.reasoning_tokens == 2
 
 
+@pytest.mark.slow  # starts a server
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_named_tool_call_follows_the_thinking(client: openai.OpenAI, stream: bool) -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
@@ -233,6 +238,7 @@ def test_a_named_tool_call_follows_the_thinking(client: openai.OpenAI, stream: b
     assert json.loads(args)["city"] in ("Paris", "Rome")
 
 
+@pytest.mark.slow  # starts a server
 def test_structured_output_applies_to_the_answer(client: openai.OpenAI) -> None:
     r = _chat(client, max_tokens=24,
               response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}})
@@ -245,6 +251,7 @@ def test_structured_output_applies_to_the_answer(client: openai.OpenAI) -> None:
     assert r.choices[0].message.reasoning_content is None and json.loads(r.choices[0].message.content)  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # starts a server
 def test_auto_tools_read_the_answer_only(client: openai.OpenAI) -> None:
     tools = [{"type": "function", "function": {"name": "weather", "parameters": CITY}}]
     r = _chat(client, tools=tools)
@@ -252,6 +259,7 @@ def test_auto_tools_read_the_answer_only(client: openai.OpenAI) -> None:
     assert msg.content == ANSWER and msg.reasoning_content == THOUGHT and not msg.tool_calls  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # starts a server
 def test_responses_api_returns_a_reasoning_item(server: ServerProcess, client: openai.OpenAI) -> None:
     r = client.responses.create(model="thinker", input="2+2?", temperature=0, max_output_tokens=16)
     assert [item.type for item in r.output] == ["reasoning", "message"]

@@ -15,6 +15,8 @@ from servelm.entrypoints.responses_protocol import ResponseObject
 from servelm.entrypoints.serving_responses import ResponseStore, Stored
 from tests.server_fixtures import ServerProcess
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 
 @pytest.fixture(scope="module")
 def server(parity_server: ServerProcess) -> ServerProcess:

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from tests.server_fixtures import ServerProcess, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/generate", "/v1/tokenize", "/v1/detokenize",
              "/abort_request"]
 LONE = "\ud800"  # a lone UTF-16 surrogate: valid in a JSON escape, not valid Unicode text

@@ -18,6 +18,8 @@ import pytest
 
 from tests.server_fixtures import SLOW_START_ENV, STEP_DELAY_ENV, ServerProcess, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 MESSAGES = [{"role": "user", "content": "Write a long poem."}]
 TINY_ARGS = ["--disable-torch-compile", "--max-total-tokens", "8192"]
 CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{{ tail | default('') }}"

@@ -16,6 +16,8 @@ import pytest
 
 from tests.server_fixtures import ServerProcess, start_server
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 MESSAGES = [{"role": "user", "content": "Tell me a story about a cat."}]
 
 

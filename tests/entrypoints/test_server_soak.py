@@ -10,9 +10,12 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 
 from tests.server_fixtures import start_server
 from tests.soak_driver import soak
+
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
 
 
 def test_soak_leaves_no_kv_page_request_or_process(tiny_llama: tuple[Path, object], tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ import torch
 from servelm.bench.common import load_hf_baseline
 from servelm.entrypoints.engine import Engine
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 
 

@@ -39,6 +39,8 @@ from servelm.model_loader import tokenizer as tokenizer_mod
 from servelm.model_loader.gguf import unpermute_qk
 from tests.models.gguf_files import write_gguf
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 # --------------------------------------------------------------------------- default model
 
 

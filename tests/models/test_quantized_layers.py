@@ -21,6 +21,8 @@ from tests.conftest import build_tiny_model
 from tests.models.gguf_files import random_k_quant as _random_k
 from tests.models.gguf_files import write_gguf
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 
 @pytest.fixture
 def fake_tp(monkeypatch: pytest.MonkeyPatch):

@@ -26,6 +26,8 @@ from servelm.entrypoints.engine import Engine
 from servelm.layers import batch_invariant
 from servelm.model_loader import default_model_path
 
+pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
+
 TEXT = Path(__file__).parent.parent / "data" / "pride_and_prejudice_ch1-2.txt"
 PPL_TOKENS = 1024
 
