@@ -5,10 +5,10 @@ SentencePiece spaces. A fast (Rust) tokenizer does it with `tokenizers`'
 `DecodeStream`, which keeps the pending bytes itself; otherwise, as in vLLM, we
 decode a small window (prefix_offset..end) and emit only what the window adds
 over the previous one, waiting while the text ends in an incomplete character
-(U+FFFD). The window costs two decode() calls a token: 10.5 us against
-DecodeStream's 1.4 us a token, 32 streams of 1,200 tokens of prose on the
-default model's tokenizer, one core of a shared AMD EPYC, medians of 5
-(`servelm bench detokenize`; the same text both ways).
+(U+FFFD). The window costs two decode() calls a token: 7.0-10.5 us against
+DecodeStream's 1.3-1.4 us a token, 32 streams of 1,200 tokens of prose on the
+default model's tokenizer, one core of a shared AMD EPYC, medians of 5 in two
+runs (`servelm bench detokenize`; the same text both ways).
 """
 
 from __future__ import annotations
