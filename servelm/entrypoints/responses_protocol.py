@@ -1,4 +1,5 @@
-"""Pydantic models of OpenAI's Responses API (`/v1/responses`): text in, text out.
+"""Pydantic models of OpenAI's Responses API (`/v1/responses`): text and function calls in, text, reasoning and
+function calls out.
 
 Requests reuse `openai_protocol`'s base classes (unknown top-level fields are a 400); responses follow the
 shapes of the `openai` package's `types.responses` (Response, ResponseOutputMessage, the streaming events).
@@ -30,6 +31,45 @@ class InputMessage(_Request):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionCallInput(_Request):
+    """An earlier turn's call (as the response's `function_call` output item), sent back with the input."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputInput(_Request):
+    """The result of a call the model made: `call_id` names it."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = InputMessage | FunctionCallInput | FunctionCallOutputInput
+
+
+class FunctionTool(_Request):
+    """A function tool, as the Responses API spells it (flat: name and parameters beside `type`)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Request):
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(JsonSchemaFormat):
     """`text.format`: free text, any JSON object, or JSON following `schema` (constrained decoding)."""
 
@@ -42,7 +82,7 @@ class TextConfig(_Request):
 
 class ResponsesRequest(_TopRequest):
     model: str | None = None
-    input: str | list[InputMessage]
+    input: str | list[InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -52,9 +92,8 @@ class ResponsesRequest(_TopRequest):
     stream: bool = False
     background: bool = False
     previous_response_id: str | None = None
-    # Tools are not served on this endpoint: only an empty list (or none) is accepted.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI fields that change nothing a local server does: accepted and kept.
     metadata: dict[str, str] | None = None
@@ -92,6 +131,17 @@ class ReasoningItem(_Response):
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
 
 
+class FunctionCallItem(_Response):
+    """A call the model made (the `function_call` output item)."""
+
+    id: str = Field(default_factory=lambda: random_id("fc").replace("-", "_"))
+    type: Literal["function_call"] = "function_call"
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
 class ResponseUsage(_Response):
     input_tokens: int
     # cached_tokens: read from the prefix cache; cache_write_tokens: the prompt tokens this response added to it
@@ -114,7 +164,7 @@ class ResponseObject(_Response):
     created_at: int = Field(default_factory=lambda: int(time.time()))
     status: Status = "in_progress"
     model: str
-    output: list[ReasoningItem | OutputMessage] = Field(default_factory=list)
+    output: list[ReasoningItem | OutputMessage | FunctionCallItem] = Field(default_factory=list)
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -126,7 +176,7 @@ class ResponseObject(_Response):
     metadata: dict[str, str] | None = None
     user: str | None = None
     parallel_tool_calls: bool = False
-    tool_choice: str = "none"
+    tool_choice: str | dict[str, Any] = "none"
     tools: list[Any] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     incomplete_details: dict[str, str] | None = None

@@ -20,9 +20,15 @@ from typing import Any
 
 from fastapi import Request
 
+from servelm.entrypoints import tool_parsers
 from servelm.entrypoints.http_common import ApiError, bad
+from servelm.entrypoints.openai_protocol import ChatTool, FunctionDefinition, NamedToolChoice, ToolChoiceFunction
 from servelm.entrypoints.reasoning import ReasoningStream
 from servelm.entrypoints.responses_protocol import (
+    FunctionCallInput,
+    FunctionCallItem,
+    FunctionCallOutputInput,
+    NamedFunction,
     OutputMessage,
     OutputText,
     ReasoningItem,
@@ -33,6 +39,7 @@ from servelm.entrypoints.responses_protocol import (
 )
 from servelm.entrypoints.serving_base import OpenAIServing
 from servelm.entrypoints.streaming import Accumulated, stream_events
+from servelm.entrypoints.tool_calls import HermesStream, ToolPlan, plan_tool_calls
 from servelm.managers.tokenizer_manager import RequestGroup
 from servelm.sampling_params import SamplingParams, SamplingParamsError
 
@@ -45,6 +52,7 @@ class Stored:
     messages: list[dict[str, str]]  # the conversation without instructions: input, then the output once done
     task: asyncio.Task | None = field(default=None, repr=False)  # a background response's collector
     split: ReasoningStream | None = field(default=None, repr=False)  # with a reasoning parser
+    tools: ToolPlan | None = field(default=None, repr=False)  # how the output becomes function calls
 
 
 class ResponseStore:
@@ -93,7 +101,8 @@ def text_format_schema(req: ResponsesRequest) -> str | None:
     return json.dumps(fmt.schema_)
 
 
-def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None, prefix_cache: bool = True) -> None:
+def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None, prefix_cache: bool = True,
+           keep_message: bool = False) -> None:
     """Fill the entry's response from a finished request's outputs; with a reasoning parser (`entry.split`: fed
     the whole output already by a stream, or here) its thinking is a reasoning item before the message."""
     resp, reason, split = entry.response, acc.finish_reason, entry.split
@@ -119,8 +128,14 @@ def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None, prefix_cache:
     thinking = [ReasoningItem(id=ids.get(ReasoningItem, ReasoningItem().id), status=status,
                               content=[ReasoningText(text=split.reasoning_text)])] \
         if split is not None and split.reasoning_text else []
-    resp.output = [*thinking, OutputMessage(id=ids.get(OutputMessage, OutputMessage().id), status=status,
-                                            content=[OutputText(text=text)])]
+    calls: list[FunctionCallItem] = []
+    if entry.tools is not None:
+        content, found = entry.tools.read(text)
+        text = content or ""
+        calls = [FunctionCallItem(call_id=c.id, name=c.function.name, arguments=c.function.arguments) for c in found]
+    message = [OutputMessage(id=ids.get(OutputMessage, OutputMessage().id), status=status,
+                             content=[OutputText(text=text)])] if text or not calls or keep_message else []
+    resp.output = [*thinking, *message, *calls]
     writes = acc.prompt_tokens - acc.cached_tokens if prefix_cache else 0
     resp.usage = ResponseUsage(input_tokens=acc.prompt_tokens,
                                input_tokens_details={"cached_tokens": acc.cached_tokens, "cache_write_tokens": writes},
@@ -128,7 +143,19 @@ def finish(entry: Stored, acc: Accumulated, tokenizer: Any = None, prefix_cache:
                                output_tokens_details={"reasoning_tokens": reasoning_tokens},
                                total_tokens=acc.prompt_tokens + acc.completion_tokens,
                                prompt_tokens=acc.prompt_tokens, completion_tokens=acc.completion_tokens)
-    entry.messages.append({"role": "assistant", "content": text})
+    reply: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        reply["tool_calls"] = [_template_call(c.call_id, c.name, c.arguments) for c in calls]
+    entry.messages.append(reply)
+
+
+def _template_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A call as chat templates take it (its arguments an object: templates write them with `| tojson`)."""
+    try:
+        args: Any = json.loads(arguments)
+    except json.JSONDecodeError:
+        args = arguments
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 class ServingResponses(OpenAIServing):
@@ -141,9 +168,10 @@ class ServingResponses(OpenAIServing):
         self._background: set[asyncio.Task] = set()
 
     # ---------------------------------------------------------------- create
-    def conversation(self, req: ResponsesRequest) -> list[dict[str, str]]:
-        """The messages before the output: the previous response's conversation, then this input."""
-        history: list[dict[str, str]] = []
+    def conversation(self, req: ResponsesRequest) -> list[dict[str, Any]]:
+        """The messages before the output: the previous response's conversation, then this input (function
+        calls sent back become the assistant's tool calls, their outputs `tool` messages)."""
+        history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             try:
                 previous = self.store.get(req.previous_response_id)
@@ -158,14 +186,49 @@ class ServingResponses(OpenAIServing):
         if not req.input:
             raise bad("input must be a non-empty string or list of messages", "input")
         roles = {"developer": "system"}
-        return [*history, *({"role": roles.get(m.role, m.role), "content": m.text()} for m in req.input)]
+        out = list(history)
+        for item in req.input:
+            if isinstance(item, FunctionCallInput):
+                call = _template_call(item.call_id, item.name, item.arguments)
+                if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                    out[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutputInput):
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:
+                out.append({"role": roles.get(item.role, item.role), "content": item.text()})
+        return out
 
-    def sampling(self, req: ResponsesRequest, prompt_len: int) -> SamplingParams:
+    def tool_plan(self, req: ResponsesRequest) -> ToolPlan | None:
+        """The request's tools as the chat endpoint plans them (constrained for required / a named function,
+        the --tool-call-parser for auto)."""
+        tools = [ChatTool(function=FunctionDefinition(name=t.name, description=t.description,
+                                                     parameters=t.parameters, strict=t.strict))
+                 for t in req.tools or []]
+        choice: Any = req.tool_choice
+        if isinstance(choice, NamedFunction):
+            choice = NamedToolChoice(function=ToolChoiceFunction(name=choice.name))
+        parser_name = self.tool_parser_name() if tools else None
+        try:
+            return plan_tool_calls(tools or None, choice, tool_parsers.make_parser(parser_name, tools)
+                                   if parser_name else None, parallel=req.parallel_tool_calls is not False)
+        except ValueError as exc:
+            raise bad(str(exc), "tool_choice") from None
+
+    def sampling(self, req: ResponsesRequest, prompt_len: int, tools: ToolPlan | None = None) -> SamplingParams:
         self.check_context(prompt_len, None, "input", "max_output_tokens")
         if req.max_output_tokens is not None and req.max_output_tokens < 1:
             raise bad(f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")
+        schema = text_format_schema(req)
+        if tools is not None and not tools.auto:
+            if schema is not None:
+                raise bad("text.format cannot be combined with a tool_choice that calls a tool", "text.format")
+            schema = tools.json_schema()
         kw: dict[str, Any] = {"max_new_tokens": req.max_output_tokens or self.manager.context_length - prompt_len,
-                              "json_schema": text_format_schema(req)}
+                              "json_schema": schema}
+        if tools is not None and tools.auto:
+            kw["skip_special_tokens"] = False  # a parser's markers may be special tokens
         for name in ("temperature", "top_p"):
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
@@ -180,8 +243,6 @@ class ServingResponses(OpenAIServing):
 
     def check_request(self, req: ResponsesRequest) -> None:
         self.check_model(req.model)
-        if req.tools:
-            raise bad("tools are not supported on /v1/responses (use /v1/chat/completions)", "tools")
         if req.background and not req.store:
             raise bad("a background response must be stored: background requires store to be true", "background")
         if req.background and req.stream:
@@ -190,21 +251,28 @@ class ServingResponses(OpenAIServing):
     async def create(self, req: ResponsesRequest, request: Request) -> Any:
         self.check_request(req)
         messages = self.conversation(req)
+        plan = self.tool_plan(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        tool_dicts = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+                      for t in req.tools] if req.tools else None
         try:
-            ids = self.manager.chat_prompt_ids(system + messages)
+            ids = self.manager.chat_prompt_ids(system + messages, tools=tool_dicts)
         except Exception as exc:
             raise bad(f"input could not be rendered with the chat template: {exc}", "input") from None
-        params = self.sampling(req, len(ids))
+        params = self.sampling(req, len(ids), plan)
         self.gate_constraint(params, ids)
         resp = ResponseObject(model=self.state.model_name, status="queued" if req.background else "in_progress",
                               instructions=req.instructions, max_output_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p, store=req.store,
                               background=req.background, previous_response_id=req.previous_response_id,
-                              metadata=req.metadata, user=req.user, parallel_tool_calls=bool(req.parallel_tool_calls),
+                              metadata=req.metadata, user=req.user,
+                              parallel_tool_calls=req.parallel_tool_calls is not False if req.tools else False,
+                              tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+                              tool_choice=(req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
+                                           else req.tool_choice or ("auto" if req.tools else "none")),
                               text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
                               if req.text is not None else {"format": {"type": "text"}})
-        entry = Stored(resp, messages, split=self.reasoning_stream(ids))
+        entry = Stored(resp, messages, split=self.reasoning_stream(ids), tools=plan)
         group = self.submit([ids], params, resp.id, req.stream)
         if req.store:
             self.store.put(entry)
@@ -240,11 +308,16 @@ class ServingResponses(OpenAIServing):
     def _stream(self, group: RequestGroup, entry: Stored) -> AsyncIterator[str]:
         """The Responses streaming events: created, in_progress; with a reasoning parser, the reasoning item
         (added, reasoning text deltas, done) while the model thinks; the message and its text part added, text
-        deltas, then text/part/item done and the final response.completed (or .incomplete / .failed)."""
-        resp, seq, split = entry.response, itertools.count(), entry.split
+        deltas (with tools: the text before any call, as the --tool-call-parser lets it out), then text/part/item
+        done; each function call (added, its arguments, done) once the output is complete; the final
+        response.completed (or .incomplete / .failed)."""
+        resp, seq, split, tools = entry.response, itertools.count(), entry.split, entry.tools
         msg, thought = OutputMessage(), ReasoningItem()
         resp.output = []
         opened: list[str] = []  # the items added so far, in output order ("reasoning", "message")
+        calls_text = None
+        if tools is not None and tools.auto:  # the text before a call streams; the calls come at the end
+            calls_text = tools.parser.stream() if tools.parser is not None else HermesStream()
 
         def event(kind: str, **fields: Any) -> str:
             data = {"type": kind, "sequence_number": next(seq), **fields}
@@ -255,6 +328,7 @@ class ServingResponses(OpenAIServing):
 
         def close_reasoning() -> Iterator[str]:
             if opened == ["reasoning"]:
+                opened.append("reasoning done")
                 thought.status = "completed"
                 thought.content = [ReasoningText(text=split.reasoning_text)]
                 yield event("response.reasoning_text.done", text=split.reasoning_text, **where(thought))
@@ -269,7 +343,7 @@ class ServingResponses(OpenAIServing):
                 yield event("response.content_part.added", part=OutputText(text="").model_dump(), **where(msg))
 
         def render(index: int, out: Any, acc: Accumulated) -> Iterator[str]:
-            thinking, answer = out.text, out.text
+            thinking, answer = "", out.text
             if split is not None:
                 thinking, answer = split.feed(out.text)
                 if out.finish_reason is not None:
@@ -281,17 +355,39 @@ class ServingResponses(OpenAIServing):
                     yield event("response.output_item.added", output_index=0, item=thought.model_dump())
                 if thinking and opened == ["reasoning"]:
                     yield event("response.reasoning_text.delta", delta=thinking, **where(thought))
-            if answer or out.finish_reason is not None:
-                yield from open_message()
+            if tools is not None:  # only the text the parser lets out (none for a constrained call)
+                answer = calls_text.feed(answer) if calls_text is not None else ""
             if answer:
+                yield from open_message()
                 yield event("response.output_text.delta", delta=answer, logprobs=[], **where(msg))
             if out.finish_reason is None:
                 return
-            finish(entry, acc, self.manager.tokenizer, self.prefix_cache)
-            item = resp.output[-1]
-            yield event("response.output_text.done", text=item.content[0].text, logprobs=[], **where(item))
-            yield event("response.content_part.done", part=item.content[0].model_dump(), **where(item))
-            yield event("response.output_item.done", output_index=len(resp.output) - 1, item=item.model_dump())
+            finish(entry, acc, self.manager.tokenizer, self.prefix_cache, keep_message="message" in opened)
+            yield from close_reasoning()
+            for item in resp.output:
+                if isinstance(item, OutputMessage):
+                    if "message" not in opened:
+                        opened.append("message")
+                        yield event("response.output_item.added", output_index=resp.output.index(item),
+                                    item=item.model_copy(update={"status": "in_progress", "content": []}).model_dump())
+                        yield event("response.content_part.added", part=OutputText(text="").model_dump(),
+                                    **where(item))
+                        if item.content[0].text:
+                            yield event("response.output_text.delta", delta=item.content[0].text, logprobs=[],
+                                        **where(item))
+                    yield event("response.output_text.done", text=item.content[0].text, logprobs=[], **where(item))
+                    yield event("response.content_part.done", part=item.content[0].model_dump(), **where(item))
+                    yield event("response.output_item.done", output_index=resp.output.index(item),
+                                item=item.model_dump())
+                elif isinstance(item, FunctionCallItem):
+                    at = resp.output.index(item)
+                    yield event("response.output_item.added", output_index=at,
+                                item=item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())
+                    yield event("response.function_call_arguments.delta", item_id=item.id, output_index=at,
+                                delta=item.arguments)
+                    yield event("response.function_call_arguments.done", item_id=item.id, output_index=at,
+                                arguments=item.arguments, name=item.name)
+                    yield event("response.output_item.done", output_index=at, item=item.model_dump())
             final = {"completed": "response.completed", "failed": "response.failed"}.get(resp.status,
                                                                                        "response.incomplete")
             yield event(final, response=resp.model_dump())
@@ -299,7 +395,7 @@ class ServingResponses(OpenAIServing):
         async def events() -> AsyncIterator[str]:
             yield event("response.created", response=resp.model_dump())
             yield event("response.in_progress", response=resp.model_dump())
-            if split is None:
+            if split is None and tools is None:
                 for e in open_message():
                     yield e
             try:

@@ -114,6 +114,58 @@ def test_previous_response_id_continues_the_conversation(server: ServerProcess, 
         client.responses.create(model="tiny", input="x", previous_response_id="resp_missing", max_output_tokens=2)
 
 
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}
+WEATHER = {"type": "function", "name": "weather", "description": "Weather in a city", "parameters": CITY}
+
+
+def test_a_named_function_call_and_its_result_in_the_next_turn(server: ServerProcess, client: openai.OpenAI) -> None:
+    first = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER], max_output_tokens=24,
+                                    tool_choice={"type": "function", "name": "weather"}, temperature=0)
+    assert [item.type for item in first.output] == ["function_call"] and first.status == "completed"
+    call = first.output[0]
+    assert call.name == "weather" and call.call_id and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert first.tool_choice.name == "weather" and first.tools[0].name == "weather"
+    # the result goes back with previous_response_id; the model sees it as a tool message
+    second = client.responses.create(model="tiny", previous_response_id=first.id, max_output_tokens=4, temperature=0,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "22 C and sunny"}])
+    turns = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": ""},
+             {"role": "tool", "content": "22 C and sunny"}]
+    assert second.usage.input_tokens == prompt_tokens(server, turns)
+    assert [item.type for item in second.output] == ["message"]
+    # the same conversation sent whole, the call as an input item
+    whole = client.responses.create(model="tiny", max_output_tokens=4, temperature=0, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "22 C and sunny"}])
+    assert whole.usage.input_tokens == second.usage.input_tokens and whole.output_text == second.output_text
+
+
+def test_required_calls_and_their_stream_events(server: ServerProcess, client: openai.OpenAI) -> None:
+    r = client.responses.create(model="tiny", input="Weather?", tools=[WEATHER], tool_choice="required",
+                                max_output_tokens=40, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and all(c.name == "weather" and json.loads(c.arguments)["city"] for c in calls)
+    events = []
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "Weather?", "tools": [WEATHER], "tool_choice": "required",
+            "max_output_tokens": 40, "temperature": 0, "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    kinds = [e["type"] for e in events]
+    assert "response.output_text.delta" not in kinds  # the output is the calls
+    args = [e["arguments"] for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert args == [c.arguments for c in calls]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == \
+        "".join(args)
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [d["type"] for d in done] == ["function_call"] * len(calls)
+    assert kinds[-1] == "response.completed"
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["function_call"] * len(calls)
+
+
 def test_background_cancel_and_delete(server: ServerProcess, client: openai.OpenAI) -> None:
     done = client.responses.create(model="tiny", input="Hello", max_output_tokens=6, temperature=0, background=True)
     assert done.status in ("queued", "in_progress") and done.background
@@ -145,7 +197,11 @@ def test_background_cancel_and_delete(server: ServerProcess, client: openai.Open
     ({"input": "x", "bogus": 1}, "bogus"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, "temperature"),
-    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # auto needs a parser
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f"}], "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "text.format"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "type": "function_call_output", "content": "x"}]}, "input"),
