@@ -87,6 +87,15 @@ class ResponsesRequest(_TopRequest):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # SGLang's sampling extras on this endpoint
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    # "auto": the oldest input items are dropped until the input fits the context; "disabled": a 400
+    truncation: Literal["disabled", "auto"] | None = None
     text: TextConfig | None = None
     store: bool = True
     stream: bool = False
@@ -177,6 +186,7 @@ class ResponseObject(_Response):
     user: str | None = None
     parallel_tool_calls: bool = False
     tool_choice: str | dict[str, Any] = "none"
+    truncation: Literal["disabled", "auto"] = "disabled"
     tools: list[Any] = Field(default_factory=list)
     usage: ResponseUsage | None = None
     incomplete_details: dict[str, str] | None = None

@@ -173,6 +173,9 @@ class ServingResponses(OpenAIServing):
         calls sent back become the assistant's tool calls, their outputs `tool` messages)."""
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
+            if not req.previous_response_id.startswith("resp"):
+                raise bad(f"Invalid 'previous_response_id': '{req.previous_response_id}'. Expected an ID that begins "
+                          "with 'resp'.", "previous_response_id")
             try:
                 previous = self.store.get(req.previous_response_id)
             except ApiError as exc:
@@ -229,7 +232,8 @@ class ServingResponses(OpenAIServing):
                               "json_schema": schema}
         if tools is not None and tools.auto:
             kw["skip_special_tokens"] = False  # a parser's markers may be special tokens
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty", "stop"):
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
         params = SamplingParams(**kw)
@@ -255,10 +259,20 @@ class ServingResponses(OpenAIServing):
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         tool_dicts = [{"type": "function", "function": t.model_dump(exclude={"type", "strict"}, exclude_none=True)}
                       for t in req.tools] if req.tools else None
-        try:
-            ids = self.manager.chat_prompt_ids(system + messages, tools=tool_dicts)
-        except Exception as exc:
-            raise bad(f"input could not be rendered with the chat template: {exc}", "input") from None
+        def render(turns: list[dict[str, Any]]) -> list[int]:
+            try:
+                return self.manager.chat_prompt_ids(system + turns, tools=tool_dicts)
+            except Exception as exc:
+                raise bad(f"input could not be rendered with the chat template: {exc}", "input") from None
+
+        ids = render(messages)
+        if req.truncation == "auto":  # drop the oldest turns (a tool result with its call) until the input fits
+            room = self.manager.context_length - max(1, req.max_output_tokens or 1)
+            while len(ids) > room and len(messages) > 1:
+                messages = messages[1:]
+                while len(messages) > 1 and messages[0]["role"] == "tool":
+                    messages = messages[1:]
+                ids = render(messages)
         params = self.sampling(req, len(ids), plan)
         self.gate_constraint(params, ids)
         resp = ResponseObject(model=self.state.model_name, status="queued" if req.background else "in_progress",
@@ -268,6 +282,7 @@ class ServingResponses(OpenAIServing):
                               metadata=req.metadata, user=req.user,
                               parallel_tool_calls=req.parallel_tool_calls is not False if req.tools else False,
                               tools=[t.model_dump(exclude_none=True) for t in req.tools or []],
+                              truncation=req.truncation or "disabled",
                               tool_choice=(req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedFunction)
                                            else req.tool_choice or ("auto" if req.tools else "none")),
                               text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}

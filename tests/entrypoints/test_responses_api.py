@@ -1,6 +1,7 @@
 """OpenAI's Responses API (`/v1/responses`) over real HTTP with the official `openai` client, on a tiny random
 Llama: create (text or messages, instructions, max_output_tokens, text.format json_schema), stream, background,
-retrieve, cancel, delete, previous_response_id, the bounded store, and 4xx for what it does not take."""
+retrieve, cancel, delete, previous_response_id, function tools (calls out, their results back in), the bounded
+store, and 4xx for what it does not take."""
 
 from __future__ import annotations
 
@@ -164,6 +165,30 @@ def test_required_calls_and_their_stream_events(server: ServerProcess, client: o
     assert [d["type"] for d in done] == ["function_call"] * len(calls)
     assert kinds[-1] == "response.completed"
     assert [i["type"] for i in events[-1]["response"]["output"]] == ["function_call"] * len(calls)
+
+
+def test_truncation_sampling_extras_and_id_checks(server: ServerProcess, client: openai.OpenAI) -> None:
+    context = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    long_turn = "word " * (context // 2 + 50)
+    turns = [{"role": "user", "content": long_turn}, {"role": "assistant", "content": long_turn},
+             {"role": "user", "content": "And now?"}]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=turns, max_output_tokens=4)
+    r = client.responses.create(model="tiny", input=turns, max_output_tokens=4, truncation="auto", temperature=0)
+    assert r.truncation == "auto" and r.status in ("completed", "incomplete")
+    assert r.usage.input_tokens <= context - 4
+    assert r.usage.input_tokens == prompt_tokens(server, turns[1:])  # the first turn alone went
+    plain = client.responses.create(model="tiny", input="Count: one two", max_output_tokens=12, temperature=0)
+    assert plain.truncation == "disabled"
+    cut = plain.output_text[2:6]
+    stopped = client.responses.create(model="tiny", input="Count: one two", max_output_tokens=12, temperature=0,
+                                      extra_body={"stop": [cut], "top_k": 5, "min_p": 0.0,
+                                                  "repetition_penalty": 1.0, "frequency_penalty": 0.0,
+                                                  "presence_penalty": 0.0})
+    assert stopped.output_text == plain.output_text[:plain.output_text.index(cut)]
+    r = httpx.post(f"{server.base_url}/v1/responses", timeout=30,
+                   json={"model": "tiny", "input": "x", "previous_response_id": "abc"})
+    assert r.status_code == 400 and "Expected an ID that begins with 'resp'" in r.json()["error"]["message"]
 
 
 def test_background_cancel_and_delete(server: ServerProcess, client: openai.OpenAI) -> None:
