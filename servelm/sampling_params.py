@@ -195,16 +195,22 @@ def token_ids_error(ids: Sequence[int], vocab_size: int, what: str = "prompt") -
 def context_length_error(prompt_len: int, max_new_tokens: int | None, context_length: int,
                          prompt: str = "prompt", limit: str = "max_tokens") -> str | None:
     """Why a prompt of `prompt_len` tokens (plus `max_new_tokens`, when known) does not fit the model's
-    context, or None. `prompt` and `limit` name the request's fields in the message."""
+    context, or None. `prompt` and `limit` name the request's fields in the message. SGLang's sentence comes
+    first (clients match on it), then OpenAI's."""
     if not context_length:
         return None
     if prompt_len >= context_length:
-        return (f"This model's maximum context length is {context_length} tokens. However, the {prompt} has "
-                f"{prompt_len} tokens. Please reduce the length of the {prompt}.")
+        return (f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} "
+                f"tokens). This model's maximum context length is {context_length} tokens. However, the {prompt} "
+                f"has {prompt_len} tokens. Please reduce the length of the {prompt}.")
     if max_new_tokens is not None and prompt_len + max_new_tokens > context_length:
-        return (f"This model's maximum context length is {context_length} tokens. However, you requested "
-                f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the {prompt}, {max_new_tokens} in the "
-                f"completion). Please reduce the length of the {prompt} or {limit}.")
+        total = prompt_len + max_new_tokens
+        return (f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                f"You requested a total of {total} tokens: {prompt_len} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+                f"messages or the completion to fit within the limit. (OpenAI: you requested {total} tokens "
+                f"({prompt_len} in the {prompt}, {max_new_tokens} in the completion). Please reduce the length "
+                f"of the {prompt} or {limit}.)")
     return None
 
 

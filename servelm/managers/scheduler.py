@@ -121,7 +121,7 @@ class Scheduler:
         self.allocator = PageAllocator(config.num_pages, config.page_size)
         self.cache = NoPrefixCache(self.allocator) if config.disable_radix_cache else RadixCache(self.allocator)
         # A request must fit in the pool on its own, or retraction could never make room.
-        self.max_context_len = min(config.max_context_len, (config.num_pages - 1) * config.page_size)
+        self.max_context_len = min(config.max_context_len, config.num_pages * config.page_size)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._rng = random.Random(config.random_seed)

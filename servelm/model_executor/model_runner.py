@@ -123,7 +123,7 @@ class ModelRunner:
         self.num_pages = max(tokens // page, 2)
         self.kv_cache = KVCache(config.num_hidden_layers, self.num_pages * page, attn.num_kv_heads,
                                 head_dim_of(config), self.dtype, self.device)
-        self.max_context_len = min(max_positions, (self.num_pages - 1) * page)
+        self.max_context_len = min(max_positions, self.num_pages * page)
         self.load_seconds = time.perf_counter() - t0
         tp_note = f", TP rank {tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
         logger.info("Loaded %s (%s, %s, %s%s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,

@@ -75,11 +75,15 @@ def test_one_home_for_prompt_checks() -> None:
     assert token_ids_error([1, 10], 10) == "prompt: token id 10 at position 1 is out of range [0, 10)"
     assert context_length_error(10, 5, 0) is None  # unknown context length: nothing to check
     assert context_length_error(10, 5, 16) is None
-    assert context_length_error(16, None, 16) == ("This model's maximum context length is 16 tokens. However, the "
-                                                  "prompt has 16 tokens. Please reduce the length of the prompt.")
+    assert context_length_error(16, None, 16) == (
+        "The input (16 tokens) is longer than the model's context length (16 tokens). This model's maximum context "
+        "length is 16 tokens. However, the prompt has 16 tokens. Please reduce the length of the prompt.")
     assert context_length_error(10, 7, 16, "messages", "max_completion_tokens") == (
-        "This model's maximum context length is 16 tokens. However, you requested 17 tokens (10 in the messages, "
-        "7 in the completion). Please reduce the length of the messages or max_completion_tokens.")
+        "Requested token count exceeds the model's maximum context length of 16 tokens. You requested a total of 17 "
+        "tokens: 10 tokens from the input messages and 7 tokens for the completion. Please reduce the number of "
+        "tokens in the input messages or the completion to fit within the limit. (OpenAI: you requested 17 tokens "
+        "(10 in the messages, 7 in the completion). Please reduce the length of the messages or "
+        "max_completion_tokens.)")
 
 
 def test_sampling_params_range_checks_of_issue_15() -> None:

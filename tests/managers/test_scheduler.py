@@ -251,3 +251,15 @@ def test_the_scheduler_loads_no_torch() -> None:
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_request_as_long_as_the_whole_pool_runs(page_size: int) -> None:
+    """The context limit is the pool itself (a request alone may fill it: its last token needs no KV slot),
+    not a page less: --context-length 1000 --max-total-tokens 1000 serves 1000 tokens."""
+    s = make(num_pages=32 // page_size, page_size=page_size)
+    assert s.max_context_len == 32
+    prompt = prompts(1, seed=3, lo=24, hi=24)[0]
+    assert run_all(s, [gen_req("whole", prompt, 8)])["whole"] == expected_output(prompt, 8)
+    with pytest.raises(ValueError, match="maximum context length of 32 tokens"):
+        s.add_request(gen_req("over", prompt, 9))
