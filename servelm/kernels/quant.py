@@ -374,38 +374,39 @@ def kernel_backend() -> str:
     return _backend or force_backend(os.environ.get(FORCE_ENV))
 
 
-def decode_tiles_min_rows(fmt: str) -> int:
+def decode_tiles_min_rows(fmt: str, backend: str | None = None) -> int:
     """Rows of a decode step's batch from which a weight in `fmt` takes the fp32 tile kernel (outside
     deterministic mode; `fused.decode_layer`): TILES_MIN_ROWS on the int16 scheme, INT8_DECODE_TILES_MIN_ROWS
-    (Q6_K: Q6K_DECODE_TILES_MIN_ROWS) on the int8 one."""
-    if activation_scheme(fmt) != "int8":
+    (Q6_K: Q6K_DECODE_TILES_MIN_ROWS) on the int8 one. `backend`: a kernel path (default: the process's)."""
+    if activation_scheme(fmt, backend) != "int8":
         return TILES_MIN_ROWS
     return Q6K_DECODE_TILES_MIN_ROWS if fmt == "q6_k" else INT8_DECODE_TILES_MIN_ROWS
 
 
-def isa_index() -> int:
-    """The C++ kernel's index of the path in use (`kernel_backend`, not "torch")."""
-    return _ISA_NAMES.index(_backend or kernel_backend())
+def isa_index(backend: str | None = None) -> int:
+    """The C++ kernel's index of a kernel path (default: the one in use, `kernel_backend`; not "torch")."""
+    return _ISA_NAMES.index(backend or _backend or kernel_backend())
 
 
-def activation_scheme(fmt: str) -> str:
+def activation_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear` rounds x for a weight in `fmt` at decode (and at every row count in deterministic mode):
     "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats: per block of 32,
     d = amax / 127, vpdpbusd / vpmaddubsw),
-    "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path)."""
-    backend = kernel_backend()
+    "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path).
+    `backend`: a kernel path (default: the process's)."""
+    backend = backend or kernel_backend()
     if backend == "torch":
         return "fp32"
     return "int8" if backend in _RUNS_ON and fmt != "q8_0" else "int16"
 
 
-def batch_invariant() -> bool:
+def batch_invariant(backend: str | None = None) -> bool:
     """True when `linear`'s rows do not depend on the batch (the C++ kernel; not the torch fallback)."""
-    return kernel_backend() != "torch"
+    return (backend or kernel_backend()) != "torch"
 
 
-def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *, invariant: bool = False
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *, invariant: bool = False,
+           backend: str | None = None) -> torch.Tensor:
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
     From TILES_MIN_ROWS rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path instead
@@ -419,12 +420,13 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
     sums, fp32 scaling and accumulation in block order, one fixed lane-sum tree, bias last) whatever M is,
     whatever the other rows of x are and however the threads split the work, so row m is bitwise identical for
     any batch (deterministic mode relies on it). The torch fallback (`kernel_backend() == "torch"`) does not
-    promise that; see `batch_invariant()`.
+    promise that; see `batch_invariant()`. `backend`: the kernel path (a model's frozen choice; default: the
+    process's, `kernel_backend`).
     """
     n, k = qw.shape
     if x.shape[-1] != k:
         raise ValueError(f"linear: x has {x.shape[-1]} features, the weight expects {k}")
-    backend = _backend or kernel_backend()
+    backend = backend or _backend or kernel_backend()
     if backend == "torch":  # dequantised a slice of rows at a time: never a whole fp32 copy of a big weight
         x32 = x.to(torch.float32)
         return torch.cat([F.linear(x32, dequantize(narrow_rows(qw, r, min(TORCH_ROWS, n - r))),

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from servelm.layers import fused
-from servelm.layers.batch_invariant import RowRule, is_batch_invariant, row_rule
+from servelm.layers.batch_invariant import RowRule, row_rule
+from servelm.layers.kernel_choice import kernels_of
 from servelm.model_executor.forward_batch import ForwardBatch
 
 
@@ -51,7 +52,7 @@ class PagedAttention(nn.Module):
         return self._attend(q, k_cache, v_cache, fb)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        if is_batch_invariant():
+        if kernels_of(self).deterministic:
             return self.invariant(q, k_cache, v_cache, fb)
         if fb.is_decode:
             return self._decode(q, k_cache, v_cache, fb)
@@ -82,7 +83,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
         """q: [B, H, D] of the step's one-token requests (fb.decode_reqs) -> [B, H*D]."""
-        if fused.available(q, k_cache, v_cache):  # one C++ op (fp32 on CPU)
+        if fused.available(q, k_cache, v_cache, kernels=kernels_of(self)):  # one C++ op (fp32 on CPU)
             assert fb.decode_kv_index is not None and fb.decode_lens is not None
             return fused.decode_attention(q, k_cache, v_cache, fb.decode_kv_index, fb.decode_lens, self.scale)
         rows, bias = self._decode_plan(fb, q.dtype)

@@ -172,7 +172,7 @@ def invariant_linear(x: torch.Tensor, fn: RowFn, kind: str, out_features: int) -
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
     """silu(gate) * up; in batch-invariant mode computed as gate / (1 + exp(-gate)) * up.
 
     F.silu's scalar tail loop rounds differently from its vector body, so
@@ -181,6 +181,6 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     rounded ops and VML's exp, which is invariant per element (within 1e-6 of
     F.silu).
     """
-    if not _ENABLED:
+    if not (_ENABLED if invariant is None else invariant):  # a layer passes its frozen choice
         return torch.nn.functional.silu(gate) * up
     return gate / (1 + torch.exp(-gate)) * up

@@ -52,9 +52,13 @@ def loaded() -> bool:
     return _ops() is not None
 
 
-def available(*tensors: torch.Tensor) -> bool:
-    """Whether the layers should call the fused ops on these tensors now."""
-    if not _enabled or batch_invariant._ENABLED:
+def available(*tensors: torch.Tensor, kernels: Any = None) -> bool:
+    """Whether a layer should call the fused ops on these tensors: its frozen `kernels` choice (a
+    servelm.layers.kernel_choice.KernelChoice) allows them, or without one the process-wide switches do."""
+    if kernels is not None:
+        if not kernels.fused:
+            return False
+    elif not _enabled or batch_invariant._ENABLED:
         return False
     for t in tensors:
         if t.dtype != torch.float32 or t.device.type != "cpu":
@@ -126,12 +130,13 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[
     TILES_MIN_ROWS to 95 requests keep the int8 scheme's integer kernel, where the layer's own ops take the
     fp32 tiles (`quant.decode_tiles_min_rows`)."""
     from servelm.kernels import quant
+    from servelm.layers.kernel_choice import kernels_of
 
     weights, fmts, parts, biases, names = args
-    backend = quant.kernel_backend()
+    backend = kernels_of(layer).quant
     tiles_from = layer.fused_tiles_from.get(backend)
     if tiles_from is None:  # per kernel path (tests switch it): where each part leaves the integer scheme
-        tiles_from = [quant.decode_tiles_min_rows(name) for name in names]
+        tiles_from = [quant.decode_tiles_min_rows(name, backend) for name in names]
         layer.fused_tiles_from[backend] = tiles_from
     attn = layer.self_attn
     layer_id = attn.attn.layer_id
@@ -145,4 +150,4 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[
         hidden, residual, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
         layer.input_layernorm.eps, weights, fmts, parts, biases, positions, attn.rotary.cos, attn.rotary.sin,
         fb.kv_cache.k[layer_id], fb.kv_cache.v[layer_id], fb.out_cache_loc, fb.decode_kv_index, fb.decode_lens,
-        attn.num_heads, attn.attn.scale, quant.isa_index(), tiles_from)
+        attn.num_heads, attn.attn.scale, quant.isa_index(backend), tiles_from)

@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from servelm.layers import fused
+from servelm.layers.kernel_choice import kernels_of
 
 
 class RMSNorm(nn.Module):
@@ -23,7 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if fused.available(x, self.weight) and (residual is None or residual.dtype == torch.float32):
+        if fused.available(x, self.weight, kernels=kernels_of(self)) and (
+                residual is None or residual.dtype == torch.float32):
             return fused.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)

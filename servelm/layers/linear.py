@@ -19,6 +19,7 @@ from servelm.distributed.parallel_state import get_tp_rank, get_tp_size
 from servelm.kernels import quant
 from servelm.kernels.quant import QuantWeight
 from servelm.layers import batch_invariant
+from servelm.layers.kernel_choice import KernelChoice, kernels_of
 
 logger = logging.getLogger(__name__)
 
@@ -107,16 +108,17 @@ class PrepackMixin:
         raise NotImplementedError
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernels = kernels_of(self)
         if self.qweight is not None:
-            return quant_linear(x, self.qweight, bias)
+            return quant_linear(x, self.qweight, bias, kernels)
         if self.qweight_parts is not None:
             outs, row = [], 0
             for part in self.qweight_parts:
                 n = part.shape[0]
-                outs.append(quant_linear(x, part, None if bias is None else bias[row: row + n]))
+                outs.append(quant_linear(x, part, None if bias is None else bias[row: row + n], kernels))
                 row += n
             return torch.cat(outs, dim=-1)
-        if batch_invariant._ENABLED:
+        if kernels.deterministic:
             return self._invariant_matmul(x, bias)
         if self.packed is not None:
             return packed_linear(x, self.packed, bias)
@@ -133,14 +135,19 @@ class PrepackMixin:
         return invariant_linear_of(x, self.weight, self.packed, bias, self.out_features)
 
 
-def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) over quantised blocks. The C++ kernel is batch-invariant by construction (a row's
-    result does not depend on the batch); its torch fallback is not, so deterministic mode pads it to a
-    probed row count like any other matmul."""
-    if batch_invariant._ENABLED and not quant.batch_invariant():
+def quant_linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None,
+                 kernels: KernelChoice | None = None) -> torch.Tensor:
+    """x @ W.T (+ bias) over quantised blocks, with the layer's frozen `kernels` (default: the process-wide
+    switches). The C++ kernel is batch-invariant by construction (a row's result does not depend on the
+    batch); its torch fallback is not, so deterministic mode pads it to a probed row count like any other
+    matmul."""
+    kernels = kernels or KernelChoice.from_process()
+    backend = kernels.quant
+    if kernels.deterministic and not quant.batch_invariant(backend):
         kind = f"quant-torch{'+bias' if bias is not None else ''}"
-        return batch_invariant.invariant_linear(x, lambda t: quant.linear(t, qw, bias), kind, qw.shape[0])
-    return quant.linear(x, qw, bias, invariant=batch_invariant._ENABLED)
+        return batch_invariant.invariant_linear(x, lambda t: quant.linear(t, qw, bias, backend=backend), kind,
+                                                qw.shape[0])
+    return quant.linear(x, qw, bias, invariant=kernels.deterministic, backend=backend)
 
 
 def invariant_linear_of(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,

@@ -9,6 +9,7 @@ from torch import nn
 from servelm.distributed.communicator import tensor_model_parallel_all_gather
 from servelm.layers import batch_invariant
 from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from servelm.layers.kernel_choice import kernels_of
 from servelm.layers.linear import can_prepack, invariant_linear_of, packed_linear, prepack_weight, quant_linear
 
 # Sampled rows up to which a tied fp32 head read in place uses MKL (F.linear): about as fast as oneDNN with a
@@ -51,11 +52,12 @@ class LogitsProcessor(nn.Module):
     def forward(self, hidden: torch.Tensor, lm_head: VocabParallelEmbedding, gather: bool = True) -> torch.Tensor:
         """hidden: [R, hidden] -> [R, vocab] fp32 (padded vocab trimmed), or with gather=False this
         rank's vocab shard [R, V_padded/tp] (for the LM-head all-to-all)."""
+        kernels = kernels_of(self)
         if lm_head.qweight is not None:
-            logits = quant_linear(hidden, lm_head.qweight, None)
+            logits = quant_linear(hidden, lm_head.qweight, None, kernels)
         elif self.plain_head:
-            logits = self._plain_head(hidden, lm_head.weight, lm_head.shard_size)
-        elif batch_invariant._ENABLED:
+            logits = self._plain_head(hidden, lm_head.weight, lm_head.shard_size, kernels.deterministic)
+        elif kernels.deterministic:
             # The sampled rows of a step vary in number; padded to a probed invariant count.
             logits = invariant_linear_of(hidden, lm_head.weight, self.packed, None, lm_head.shard_size)
         elif self.packed is not None:
@@ -68,8 +70,9 @@ class LogitsProcessor(nn.Module):
         return logits[:, : self.vocab_size].float()
 
     @staticmethod
-    def _plain_head(hidden: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
-        if batch_invariant._ENABLED:  # one kernel for every row count, padded to a probed invariant one
+    def _plain_head(hidden: torch.Tensor, weight: torch.Tensor, out_features: int,
+                    deterministic: bool) -> torch.Tensor:
+        if deterministic:  # one kernel for every row count, padded to a probed invariant one
             return batch_invariant.invariant_linear(hidden, lambda t: plain_onednn_linear(t, weight), "onednn-plain",
                                                     out_features)
         if hidden.shape[0] <= PLAIN_HEAD_MKL_ROWS:

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from servelm.layers import fused
+from servelm.layers.kernel_choice import kernels_of
 
 
 def _rope_parameters(config: PretrainedConfig) -> dict:
@@ -43,7 +44,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D] -> rotated (rotate-half convention, as in HF)."""
-        if fused.available(q, k, self.cos):
+        if fused.available(q, k, self.cos, kernels=kernels_of(self)):
             return fused.rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, D/2]
         sin = self.sin.index_select(0, positions).unsqueeze(1)

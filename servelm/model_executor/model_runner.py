@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from servelm.config import ConfigError, ServerArgs
-from servelm.layers.batch_invariant import set_batch_invariant
+from servelm.layers.kernel_choice import KernelChoice, freeze_kernels
 from servelm.layers.sampler import sample
 from servelm.managers.schedule_batch import SampleOutput, StepInput
 from servelm.mem_cache.memory_pool import KVCache
@@ -93,7 +93,6 @@ class ModelRunner:
         # managers/engine_core.py); the runner owns no worker process.
         self.dead_rank_reporter: Callable[[], str | None] | None = None
         self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
-        set_batch_invariant(server_args.enable_deterministic_inference)
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.model_path = model_path_or_default(server_args.model_path)
@@ -110,6 +109,9 @@ class ModelRunner:
         self._load_weights(source)
         self.model.eval()
         self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
+        # The kernels, chosen once and frozen into the model's modules (no process-wide switch is read later).
+        self.kernels = KernelChoice.resolve(server_args.enable_deterministic_inference)
+        freeze_kernels(self.model, self.kernels)
         self.weight_bytes = self.model.weight_bytes()
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, server_args.chat_template)
         self.eos_token_ids = eos_token_ids_of(config, self.tokenizer)
@@ -145,8 +147,9 @@ class ModelRunner:
         if self.quant_policy.quantized:
             from servelm.kernels import quant
 
-            invariant = "batch-invariant" if quant.batch_invariant() else "padded to probed row counts"
-            kernels = f", kernels: {quant.kernel_backend()}" + (
+            invariant = ("batch-invariant" if quant.batch_invariant(self.kernels.quant)
+                         else "padded to probed row counts")
+            kernels = f", kernels: {self.kernels.describe()}" + (
                 f", {invariant} in deterministic mode" if self.server_args.enable_deterministic_inference else "")
         rank = f" (TP rank {self.tp_rank})" if self.tp_size > 1 else ""
         logger.info("Loaded %s weights%s: %.1f MB in RAM (--quantization %s: %s matrices%s)",
@@ -228,8 +231,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, gather_logits: bool = True) -> torch.Tensor:
-        # The switch is process-wide; set it per forward so two engines in one process each get theirs.
-        set_batch_invariant(self.server_args.enable_deterministic_inference)
         fb.kv_cache = self.kv_cache
         return self.model(fb, gather_logits=gather_logits)
 

@@ -19,6 +19,7 @@ from servelm.layers import fused
 from servelm.layers.attention import PagedAttention
 from servelm.layers.batch_invariant import silu_and_mul
 from servelm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from servelm.layers.kernel_choice import kernels_of
 from servelm.layers.layernorm import RMSNorm
 from servelm.layers.linear import MergedColumnParallelLinear, PrepackMixin, QKVParallelLinear, RowParallelLinear
 from servelm.layers.logits import LogitsProcessor
@@ -53,7 +54,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if not self.qk_norm and fb.kv_cache is not None and fused.available(qkv, self.rotary.cos, fb.kv_cache.k):
+        if not self.qk_norm and fb.kv_cache is not None and fused.available(qkv, self.rotary.cos, fb.kv_cache.k,
+                                                                                    kernels=kernels_of(self)):
             # split, rotary and the KV-cache write in one C++ op
             k_cache, v_cache = fb.kv_cache.k[self.attn.layer_id], fb.kv_cache.v[self.attn.layer_id]
             q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
@@ -82,10 +84,11 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused.available(gate_up):
+        kernels = kernels_of(self)
+        if fused.available(gate_up, kernels=kernels):
             return self.down_proj(fused.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(silu_and_mul(gate, up))
+        return self.down_proj(silu_and_mul(gate, up, kernels.deterministic))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,7 +114,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _build_fused_args(self) -> tuple[list, list[int], list[int], list, list[str]] | None:
         attn, mlp = self.self_attn, self.mlp
-        if attn.qk_norm or not fused.loaded() or quant.kernel_backend() == "torch":
+        if attn.qk_norm or not fused.loaded() or kernels_of(self).quant == "torch":
             return None
         weights: list = []
         fmts: list[int] = []
@@ -138,7 +141,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if fb.is_decode and fb.kv_cache is not None and fused.available(hidden, fb.kv_cache.k):
+        if fb.is_decode and fb.kv_cache is not None and fused.available(hidden, fb.kv_cache.k,
+                                                                        kernels=kernels_of(self)):
             args = self.fused_decode_args()
             if args is not None:  # the whole step in one C++ call: the same kernels, the same bits
                 return fused.decode_layer(self, args, positions, hidden, residual, fb)

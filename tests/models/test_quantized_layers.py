@@ -3,6 +3,7 @@ blocks of its fp32 shard, one copy of each weight is kept, and `--quantization` 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from servelm.config import ConfigError, ServerArgs
 from servelm.kernels import quant
 from servelm.layers import batch_invariant, embedding, linear
 from servelm.layers.embedding import VocabParallelEmbedding
+from servelm.layers.kernel_choice import freeze_kernels
 from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, quant_linear
 from servelm.model_executor.forward_batch import ForwardBatch
 from servelm.model_executor.model_runner import ModelRunner
@@ -181,12 +183,13 @@ def _logits_int16(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     """The same forward on the int16-activation scheme (power-of-two scales, ~2^-15 of a block's largest |x|):
     where the default rounds x to int8 codes (AVX-512 VNNI, ~1/254 of a block's largest), a comparison to fp32
     rounding would measure x's rounding, not the kept blocks' values."""
-    backend = quant.kernel_backend()
-    quant.force_backend("avx512_vnni" if backend == "avx512_vnni_i8" else backend)
+    frozen = runner.kernels  # the model's kernels are frozen at build: swapped here for one forward
+    int16 = {"avx512_vnni_i8": "avx512_vnni", "avx2_i8": "avx2"}.get(frozen.quant, frozen.quant)
+    freeze_kernels(runner.model, dataclasses.replace(frozen, quant=int16))
     try:
         return _logits(runner, ids)
     finally:
-        quant.force_backend(backend)
+        freeze_kernels(runner.model, frozen)
 
 
 def _int8_scheme_error(runner: ModelRunner, ids: list[int], ref: torch.Tensor) -> float:
