@@ -123,17 +123,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[str]], positions: torch.Tensor,
-                 hidden: torch.Tensor, residual: torch.Tensor | None, fb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                 hidden: torch.Tensor, residual: torch.Tensor | None, fb: Any,
+                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Llama-family decoder layer's decode step in one C++ call (`LlamaDecoderLayer.fused_decode_args`):
     the norms, the quantised projections, rotary + KV write and decode attention, as the layer's own ops
     compute them, bit for bit, without ~10 dispatches and ~40 Python frames a layer; except that batches of
     TILES_MIN_ROWS to 95 requests keep the int8 scheme's integer kernel, where the layer's own ops take the
     fp32 tiles (`quant.decode_tiles_min_rows`)."""
     from servelm.kernels import quant
-    from servelm.layers.kernel_choice import kernels_of
-
     weights, fmts, parts, biases, names = args
-    backend = kernels_of(layer).quant
+    backend = backend or quant.kernel_backend()  # the layer's frozen quant path (default: the process's)
     tiles_from = layer.fused_tiles_from.get(backend)
     if tiles_from is None:  # per kernel path (tests switch it): where each part leaves the integer scheme
         tiles_from = [quant.decode_tiles_min_rows(name, backend) for name in names]

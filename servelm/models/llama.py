@@ -145,7 +145,7 @@ class LlamaDecoderLayer(nn.Module):
                                                                         kernels=kernels_of(self)):
             args = self.fused_decode_args()
             if args is not None:  # the whole step in one C++ call: the same kernels, the same bits
-                return fused.decode_layer(self, args, positions, hidden, residual, fb)
+                return fused.decode_layer(self, args, positions, hidden, residual, fb, kernels_of(self).quant)
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
