@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hmac
+import json
 import logging
 import signal
 import socket
@@ -85,17 +86,36 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     return error_response(400, f"{path}: {first.get('msg')}", param=loc[0])
 
 
+# SGLang's routes whose clients read its flat error shape, not OpenAI's nested one.
+FLAT_ERROR_PATHS = frozenset({"/v1/score"})
+
+
+def flat_error(response: JSONResponse) -> JSONResponse:
+    """SGLang's flat error body `{"object": "error", "message", "type", "param", "code"}` of an OpenAI-shaped
+    error response (type as SGLang names it: BadRequestError for a 400, code the HTTP status)."""
+    error = json.loads(bytes(response.body))["error"]
+    kind = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError"}.get(response.status_code,
+                                                                                    "InternalServerError")
+    body = {"object": "error", "message": error["message"], "type": kind, "param": error.get("param"),
+            "code": response.status_code}
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(body, status_code=response.status_code, headers=headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    """Every error an endpoint can raise becomes the OpenAI error shape."""
+    """Every error an endpoint can raise becomes the OpenAI error shape (SGLang's flat one on its routes)."""
+
+    def shaped(request: Request, response: JSONResponse) -> JSONResponse:
+        return flat_error(response) if request.url.path in FLAT_ERROR_PATHS else response
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code,
-                              headers=exc.headers)
+        return shaped(request, error_response(exc.status, exc.message, type=exc.type, param=exc.param,
+                                              code=exc.code, headers=exc.headers))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error_response(exc)
+        return shaped(request, validation_error_response(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

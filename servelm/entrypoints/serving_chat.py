@@ -263,13 +263,16 @@ class ChatStream:
                 index=index, delta=DeltaMessage(content=out.text or None, reasoning_content=thinking or None,
                                                 reasoning=thinking or None), logprobs=self.logprobs(out),
                 finish_reason=finish_reason_str(out.finish_reason), matched_stop=matched(out.finish_reason),
-                token_ids=out.token_ids if self.req.return_token_ids else None)])
+                token_ids=(out.token_ids or None) if self.req.return_token_ids else None)])
 
     def start(self, index: int) -> Iterator[str]:
         """The first chunks of a choice: its role (with the prompt's ids if asked), then the echo if any."""
         self.started.add(index)
+        # with continuous usage, the role chunk counts no completion token yet (as vLLM's)
+        role_usage = UsageInfo(prompt_tokens=len(self.prompt), completion_tokens=0, total_tokens=len(self.prompt)) \
+            if self.continuous_usage else None
         yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
-                         prompt_token_ids=self.prompt if self.req.return_token_ids else None)
+                         usage=role_usage, prompt_token_ids=self.prompt if self.req.return_token_ids else None)
         echo = echo_text(self.req)
         if echo:
             yield self.chunk([ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=echo))])

@@ -144,7 +144,8 @@ class CompletionView:
             prompt_logprobs=(self.serving.vllm_prompt_logprobs(prompt, acc, req.prompt_logprobs,
                                                                req.return_tokens_as_token_ids)
                              if first and req.prompt_logprobs is not None else None),
-            prompt_token_ids=prompt if with_ids and first else None, token_ids=out.token_ids if with_ids else None)
+            prompt_token_ids=prompt if with_ids and first else None,
+            token_ids=(out.token_ids or None) if with_ids else None)  # only on a choice that carries tokens
 
     def stream(self, rid: str, group: RequestGroup) -> AsyncIterator[str]:
         created = int(time.time())

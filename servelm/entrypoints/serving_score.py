@@ -53,6 +53,13 @@ def label_scores(logprobs: list[float], apply_softmax: bool) -> list[float]:
 class ServingScore(OpenAIServing):
     """POST /v1/score."""
 
+    def check_vocab(self, ids: list[int], param: str) -> None:
+        """SGLang's wording for a token id outside the vocabulary (its clients match on it)."""
+        vocab = self.manager.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise bad(f"Token ID {t} is out of vocabulary (vocab size: {vocab})", param)
+
     def prompts(self, req: ScoreRequest) -> list[list[int]]:
         """The token ids of each item's prompt (query and item in the requested order)."""
         items = [req.items] if isinstance(req.items, str) else list(req.items)
@@ -66,13 +73,15 @@ class ServingScore(OpenAIServing):
         if not all(isinstance(item, list) for item in items):
             raise bad("items must be lists of token ids when query is token ids", "items")
         for item in items:
-            self.check_ids(item, "items")  # type: ignore[arg-type]
-        self.check_ids(req.query, "query")
+            self.check_vocab(item, "items")  # type: ignore[arg-type]
+        self.check_vocab(req.query, "query")
         return [list(item) + req.query if req.item_first else req.query + list(item) for item in items]  # type: ignore[operator]
 
     async def score(self, req: ScoreRequest, request: Request) -> ScoreResponse | Any:
         self.check_model(req.model)
-        self.check_ids(req.label_token_ids, "label_token_ids")
+        if not req.label_token_ids:
+            raise bad("label_token_ids must not be empty", "label_token_ids")
+        self.check_vocab(req.label_token_ids, "label_token_ids")
         prompts = self.prompts(req)
         if len(prompts) > self.manager.max_in_flight:
             raise bad(f"{len(prompts)} items, but the server runs at most {self.manager.max_in_flight} requests at "

@@ -209,6 +209,8 @@ def test_token_ids_in_responses_and_logprobs(server: ServerProcess, client: open
                                        "return_token_ids": True})
     assert events[0]["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
     assert [t for e in events for c in e["choices"] for t in c["token_ids"] or []] == ids
+    assert all("prompt_token_ids" not in e or e["prompt_token_ids"] is None for e in events[1:])
+    assert all(c["token_ids"] is None or c["token_ids"] for e in events for c in e["choices"])  # never []
     events = sse_events(server, CMPL, {"prompt": "Hello there", "max_tokens": 4, "temperature": 0,
                                        "return_token_ids": True})
     assert events[0]["choices"][0]["prompt_token_ids"] == c["prompt_token_ids"]
@@ -241,6 +243,8 @@ def test_continuous_usage_stats(server: ServerProcess) -> None:
         assert all(e["usage"] is not None for e in events), events
         counts = [e["usage"]["completion_tokens"] for e in events if e["choices"]]
         assert counts == sorted(counts) and counts[-1] == 5 and events[-1]["usage"]["completion_tokens"] == 5
+        if path == CHAT:  # the role chunk comes before any token
+            assert events[0]["choices"][0]["delta"]["role"] == "assistant" and counts[0] == 0
         plain = sse_events(server, path, {**base, "max_tokens": 5, "stream_options": {"include_usage": True}})
         assert [e["usage"] is None for e in plain] == [True] * (len(plain) - 1) + [False]
 

@@ -88,7 +88,12 @@ def test_score_token_ids_and_item_first(http: httpx.Client, tiny_llama: tuple[Pa
 def test_score_bad_requests(http: httpx.Client, body: dict, param: str) -> None:
     r = http.post("/v1/score", json=body)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
+    error = r.json()  # SGLang's flat shape on its route
+    assert error["object"] == "error" and error["type"] == "BadRequestError" and error["code"] == 400
+    assert error["param"] == param and error["message"]
+    if body.get("label_token_ids") == [10**9]:
+        vocab = http.get("/get_model_info").json().get("vocab_size") or http.get("/server_info").json()["vocab_size"]
+        assert error["message"] == f"Token ID {10**9} is out of vocabulary (vocab size: {vocab})"
 
 
 # ------------------------------------------------------- small endpoints
