@@ -83,7 +83,10 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
         return error_response(400, f"body: {msg} (send a JSON object)", param="body")
     # Union member names (e.g. 'list[int]') are noise for the user: keep the field path.
     path = ".".join(p for p in loc if "[" not in p)
-    return error_response(400, f"{path}: {first.get('msg')}", param=loc[0])
+    kind = first.get("type", "")
+    # A bound's check is named as vLLM's errors name it (clients match on e.g. greater_than_equal).
+    named = f" ({kind})" if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than") else ""
+    return error_response(400, f"{path}: {first.get('msg')}{named}", param=loc[0])
 
 
 # SGLang's routes whose clients read its flat error shape, not OpenAI's nested one.

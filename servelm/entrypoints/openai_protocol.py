@@ -201,7 +201,7 @@ class _SamplingFields(_TopRequest):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # as vLLM's: pydantic's bounds name the check
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1

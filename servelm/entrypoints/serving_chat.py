@@ -79,6 +79,8 @@ class ServingChat(OpenAIServing):
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Any:
         """POST /v1/chat/completions."""
+        if self.state.server_args.return_tokens_as_token_ids:
+            req.return_tokens_as_token_ids = True
         ids, params, tools = self.prepare(req)
         rid = req.rid or random_id("chatcmpl")
         group = self.submit([ids], params, rid, req.stream)

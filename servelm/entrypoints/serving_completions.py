@@ -66,6 +66,8 @@ class ServingCompletions(OpenAIServing):
 
     async def create(self, req: CompletionRequest, request: Request) -> Any:
         """POST /v1/completions."""
+        if self.state.server_args.return_tokens_as_token_ids:
+            req.return_tokens_as_token_ids = True
         self.check(req)
         prompts, texts = self.prompts_of(req)
         k = req.logprobs

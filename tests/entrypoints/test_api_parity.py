@@ -279,10 +279,12 @@ def test_chat_echo_as_vllm(server: ServerProcess, client: openai.OpenAI) -> None
 # ---------------------------------------------------------------- 7. validation
 def test_seed_range(server: ServerProcess, client: openai.OpenAI) -> None:
     assert client.completions.create(model="x", prompt="hi", max_tokens=1, seed=2**63 - 1).choices
-    for path, base in ((CHAT, {"messages": MESSAGES}), (CMPL, {"prompt": "hi"}), ("/generate", {"text": "hi"})):
-        body = {**base, "seed": 2**63} if path != "/generate" else {**base, "sampling_params": {"seed": 2**63}}
-        err = error(server, path, body)
-        assert err["param"].endswith("seed") and "2^63" in err["message"], err
+    for path, base in ((CHAT, {"messages": MESSAGES}), (CMPL, {"prompt": "hi"})):  # pydantic's bounds, as vLLM
+        for seed, check in ((2**63, "less_than_equal"), (-(2**63) - 1, "greater_than_equal")):
+            err = error(server, path, {**base, "seed": seed})
+            assert err["param"] == "seed" and check in err["message"], err
+    err = error(server, "/generate", {"text": "hi", "sampling_params": {"seed": 2**63}})  # SGLang's native API
+    assert err["param"].endswith("seed") and "2^63" in err["message"], err
 
 
 def test_top_logprobs_minus_one_is_one_400(server: ServerProcess) -> None:
@@ -317,3 +319,19 @@ def test_beam_search_is_refused_not_ignored(server: ServerProcess) -> None:
     assert err["param"] == "best_of" and "not supported" in err["message"]
     assert post(server, CMPL, {"prompt": "hi", "max_tokens": 2, "use_beam_search": False, "best_of": 1}).status_code \
         == 200
+
+
+def test_return_tokens_as_token_ids_server_flag(tiny_llama: tuple[Path, object], tmp_path: Path) -> None:
+    """vLLM's --return-tokens-as-token-ids: every logprob names its token as token_id:N without the request
+    asking."""
+    srv = start_server(["--model-path", str(tiny_llama[0]), "--disable-torch-compile", "--max-total-tokens", "1024",
+                        "--served-model-name", "x", "--return-tokens-as-token-ids"], tmp_path / "server.log")
+    try:
+        client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chat = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=3, logprobs=True,
+                                              top_logprobs=1)
+        assert all(re.fullmatch(r"token_id:\d+", t.token) for t in chat.choices[0].logprobs.content)
+        cmpl = client.completions.create(model="x", prompt="Hello", max_tokens=3, logprobs=1)
+        assert all(re.fullmatch(r"token_id:\d+", t) for t in cmpl.choices[0].logprobs.tokens)
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
