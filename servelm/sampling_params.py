@@ -240,3 +240,6 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    # Scored prompt tokens (rows with a target): the token's rank in the whole distribution (1 = the most
+    # likely; vLLM's prompt_logprobs rank, also outside the top k); None for the other rows.
+    ranks: list[int | None] = field(default_factory=list)

@@ -182,15 +182,17 @@ class OpenAIServing:
     def vllm_prompt_logprobs(self, prompt: list[int], acc: Accumulated, k: int,
                              as_ids: bool = False) -> list[dict[str, Any] | None]:
         """vLLM's prompt_logprobs: None for the first token, then per token {token id: {logprob, rank,
-        decoded_token}} of the token itself and its k most likely alternatives. The rank of a token is known
-        when it is among those alternatives (else null)."""
+        decoded_token}} of the token itself and its k most likely alternatives; the token's rank in the whole
+        distribution (1 = the most likely), whether or not it is among them."""
         result: list[dict[str, Any] | None] = [None]
         lps, tops = acc.prompt_logprobs or [], acc.prompt_top_logprobs or []
+        prompt_ranks = acc.prompt_ranks or []
         for pos in range(1, len(prompt)):
             alternatives = (tops[pos] if pos < len(tops) and tops[pos] else [])[:k]
             ranks = {t: r for r, (t, _) in enumerate(alternatives, 1)}
             entry = {str(prompt[pos]): {"logprob": lps[pos] if pos < len(lps) else None,
-                                        "rank": ranks.get(prompt[pos]),
+                                        "rank": ranks.get(prompt[pos], prompt_ranks[pos]
+                                                          if pos < len(prompt_ranks) else None),
                                         "decoded_token": self.token_str(prompt[pos], as_ids)}}
             for t, lp in alternatives:
                 entry.setdefault(str(t), {"logprob": lp, "rank": ranks[t], "decoded_token": self.token_str(t, as_ids)})

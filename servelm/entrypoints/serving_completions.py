@@ -90,7 +90,8 @@ class ServingCompletions(OpenAIServing):
     def completion_logprobs(self, ids: list[int], lps: list[float | None], tops: list[list[tuple[int, float]] | None],
                             offset: int, as_ids: bool = False) -> CompletionLogprobs:
         """Legacy OpenAI logprobs of `ids` (prompt and/or completion tokens), text offsets from `offset`: each
-        token's top alternatives with the token itself among them (up to k + 1 entries, as OpenAI)."""
+        token's top alternatives, the chosen token first (as vLLM lists them), then the others (up to k + 1
+        entries, as OpenAI)."""
         result = CompletionLogprobs()
         for k, tid in enumerate(ids):
             text = self.manager.token_text(tid)
@@ -101,8 +102,10 @@ class ServingCompletions(OpenAIServing):
             if top is None and lp is None:
                 result.top_logprobs.append(None)
             else:
-                alternatives = {self.token_str(t, as_ids): v for t, v in top or []}
-                alternatives.setdefault(self.token_str(tid, as_ids), lp)  # type: ignore[arg-type]
+                chosen = dict(top or []).get(tid, lp)
+                alternatives = {self.token_str(tid, as_ids): chosen}
+                for t, v in top or []:
+                    alternatives.setdefault(self.token_str(t, as_ids), v)
                 result.top_logprobs.append(alternatives)
             result.text_offset.append(offset)
             offset += len(text)

@@ -107,15 +107,23 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         tokens.append(int(torch.argmax(scaled.double().to("cpu") + gumbel)))
     out_lp: list[float | None] = [None] * len(rows)
     out_top: list[list[tuple[int, float]] | None] = [None] * len(rows)
+    out_rank: list[int | None] = [None] * len(rows)
     if raw_logprobs is not None:
         rows_at = torch.arange(len(which), device=raw_logprobs.device)
         chosen = torch.tensor([tokens[i] for i in which], dtype=torch.long, device=raw_logprobs.device)
-        for i, lp in zip(which, raw_logprobs[rows_at, chosen].tolist()):
+        chosen_lp = raw_logprobs[rows_at, chosen]
+        for i, lp in zip(which, chosen_lp.tolist()):
             out_lp[i] = lp
+        targets = [j for j, i in enumerate(which) if rows[i].target is not None]
+        if targets:  # 1 + how many tokens are more likely than the scored one
+            at = torch.tensor(targets, dtype=torch.long, device=raw_logprobs.device)
+            above = (raw_logprobs[at] > chosen_lp[at, None]).sum(dim=-1) + 1
+            for j, r in zip(targets, above.tolist()):
+                out_rank[which[j]] = r
         wanted = [num_top_logprobs(rows[i]) for i in which]
         if max(wanted):
             vals, idx = torch.topk(raw_logprobs, max(wanted), dim=-1)
             for i, n, v, t in zip(which, wanted, vals.tolist(), idx.tolist()):
                 if n:
                     out_top[i] = list(zip(t[:n], v[:n]))
-    return SampleOutput(tokens, out_lp, out_top)
+    return SampleOutput(tokens, out_lp, out_top, out_rank)

@@ -121,6 +121,7 @@ class TokenOut:
     # None for the first (nothing before it to condition on).
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1 = top)
     # In the final output of a request with label_token_ids: one logprob per label token id.
     label_logprobs: list[float] | None = None
     # In the final output: seconds the request spent queued, prefilling (to its first token) and decoding
@@ -179,6 +180,7 @@ class OutputAccumulator:
     cached_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     label_logprobs: list[float] | None = None
 
     def add(self, out: TokenOut) -> None:
@@ -186,6 +188,7 @@ class OutputAccumulator:
             self.label_logprobs = out.label_logprobs
         if out.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = out.prompt_logprobs, out.prompt_top_logprobs
+            self.prompt_ranks = out.prompt_ranks
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)

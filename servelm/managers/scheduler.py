@@ -64,6 +64,7 @@ class Req:
     # With params.prompt_logprobs: entry p scores prompt token p + 1 (kept across retraction), handed out once.
     prompt_logprobs: list[float] = field(default_factory=list)
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_ranks: list[int | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
     matcher: Any = None  # llguidance matcher of a constrained request (servelm.constrained), fed every token
     # Reasoning markers still to pass before the matcher applies (params.constraint_after; [] once it does).
@@ -338,6 +339,7 @@ class Scheduler:
                 if row.target is not None:
                     req.prompt_logprobs.append(result.logprobs[k])
                     req.prompt_top.append(result.top_logprobs[k] or [])
+                    req.prompt_ranks.append(result.ranks[k] if k < len(result.ranks) else None)
                     continue
                 self._append_token(req, result.token_ids[k], result.logprobs[k], result.top_logprobs[k])
                 if req.finish_reason is not None:
@@ -432,6 +434,7 @@ class Scheduler:
             out.timings = self._timings(req)
         if req.params.prompt_logprobs and not req.prompt_logprobs_sent:
             out.prompt_logprobs, out.prompt_top_logprobs = [None, *req.prompt_logprobs], [None, *req.prompt_top]
+            out.prompt_ranks = [None, *req.prompt_ranks]
             req.prompt_logprobs_sent = True
         req.pending_ids, req.pending_logprobs, req.pending_top = [], [], []
         return out

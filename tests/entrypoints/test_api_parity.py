@@ -151,8 +151,11 @@ def check_vllm_prompt_logprobs(entries: list, prompt_ids: list[int], k: int) -> 
     for tid, entry in zip(prompt_ids[1:], entries[1:]):
         assert str(tid) in entry and len(entry) <= k + 1
         assert all(set(v) == {"logprob", "rank", "decoded_token"} and v["logprob"] <= 0 for v in entry.values())
-        ranked = sorted((v for v in entry.values() if v["rank"] is not None), key=lambda v: v["rank"])
-        assert [v["rank"] for v in ranked][:k] == list(range(1, k + 1))
+        ranks = sorted(v["rank"] for v in entry.values())  # the token's own rank too, in or out of the top k
+        if len(entry) == k + 1:  # outside the top k: ranked after them
+            assert ranks[:k] == list(range(1, k + 1)) and entry[str(tid)]["rank"] > k
+        else:
+            assert ranks == list(range(1, len(entry) + 1))
 
 
 def test_prompt_logprobs_as_vllm(server: ServerProcess, client: openai.OpenAI) -> None:

@@ -184,7 +184,7 @@ def test_completion_logprobs_and_echo(server: ServerProcess, legacy_client: open
         assert lp.token_logprobs[1:n_prompt] == pytest.approx(expected, abs=1e-4)
         assert all(x is not None and x <= 0 for x in lp.token_logprobs[n_prompt:])
         # Up to k + 1 alternatives, the token itself always among them (OpenAI's legacy format).
-        assert all(2 <= len(t) <= 3 and tok in t for t, tok in zip(lp.top_logprobs[1:], lp.tokens[1:]))
+        assert all(2 <= len(t) <= 3 and next(iter(t)) == tok for t, tok in zip(lp.top_logprobs[1:], lp.tokens[1:]))
         assert max(lp.top_logprobs[1].values()) == pytest.approx(ref_lp[0].max().item(), abs=1e-4)
         assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(prompt)
 
