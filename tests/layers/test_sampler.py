@@ -84,6 +84,8 @@ def test_scoring_rows_report_the_given_token_next_to_sampled_rows() -> None:
     assert out.logprobs[0] == raw[0, 6].item() and out.logprobs[1] is None and out.top_logprobs[1] is None
     assert [t for t, _ in out.top_logprobs[0]] == raw[0].topk(3).indices.tolist()
     assert [t for t, _ in out.top_logprobs[2]] == raw[2].topk(5).indices.tolist()
+    # the scored token's rank in the whole distribution, in or out of its top 3; none for sampled rows
+    assert out.ranks[0] == int((raw[0] > raw[0, 6]).sum()) + 1 and out.ranks[1:] == [None, None]
 
 
 def test_scored_prompt_tokens_have_their_own_number_of_alternatives() -> None:
