@@ -20,7 +20,7 @@ __all__ = ["HTTP_SERVER_FIELDS", "ConfigError", "ServerArgs", "load_config_file"
 HTTP_SERVER_FIELDS = frozenset({
     "host", "port", "api_key", "served_model_name", "max_queued_requests", "log_requests", "uvicorn_log_level",
     "disable_uvicorn_access_log", "shutdown_timeout", "tool_call_parser", "reasoning_parser",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "max_logprobs",
 })
 
 
@@ -64,6 +64,9 @@ class ServerArgs:
                                         "tool_choice 'auto': hermes (Qwen2.5/3, Hermes), llama3_json, mistral, "
                                         "pythonic, qwen3_coder, a plugin's name, or auto (from the chat "
                                         "template).")
+    max_logprobs: int = _opt(20, "Most top logprobs a request may ask for (top_logprobs, logprobs, "
+                             "prompt_logprobs); -1: any number, and -1 in a request means the whole vocabulary "
+                             "(vLLM's flag).")
     return_tokens_as_token_ids: bool = _opt(False, "Logprobs name every token as token_id:N (vLLM's flag; a request's "
                                             "own return_tokens_as_token_ids also turns it on).")
     reasoning_parser: str | None = _opt(None, "Split the model's thinking from its answer into reasoning_content: "

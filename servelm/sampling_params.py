@@ -108,8 +108,8 @@ class SamplingParams:
             bad("presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not 1 <= self.n <= 128:
             bad("n", f"n must be in [1, 128], got {self.n}")
-        for name in ("top_logprobs", "prompt_top_logprobs"):
-            error = top_logprobs_error(getattr(self, name), name)
+        for name in ("top_logprobs", "prompt_top_logprobs"):  # the server's limit was applied by the API
+            error = top_logprobs_error(getattr(self, name), name, vocab_size)
             if error:
                 bad(name, error)
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
@@ -175,11 +175,15 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit signed integer, as vLLM's
 MAX_TOP_LOGPROBS = 20
 
 
-def top_logprobs_error(value: int | None, param: str = "top_logprobs") -> str | None:
-    """Why `value` cannot be a number of top alternatives (top_logprobs, completions' logprobs), or None."""
-    if value is None or 0 <= value <= MAX_TOP_LOGPROBS:
+def top_logprobs_error(value: int | None, param: str = "top_logprobs", limit: int = MAX_TOP_LOGPROBS) -> str | None:
+    """Why `value` cannot be a number of top alternatives (top_logprobs, completions' logprobs), or None.
+    `limit`: the server's --max-logprobs (-1: any number, and -1 asks for the whole vocabulary)."""
+    if value is None or (0 <= value <= limit) or (limit == -1 and value >= -1):
         return None
-    return f"{param} must be in [0, {MAX_TOP_LOGPROBS}], got {value}"
+    if value == -1:
+        return (f"{param} -1 (the whole vocabulary) needs the server started with --max-logprobs -1; this one "
+                f"allows at most {limit}")
+    return f"{param} must be in [0, {limit}], got {value}"
 
 
 def token_ids_error(ids: Sequence[int], vocab_size: int, what: str = "prompt") -> str | None:

@@ -78,10 +78,7 @@ def check_request_options(req: Any) -> None:
         raise bad("stream_options can only be given when stream is true", "stream_options")
     if req.use_beam_search:
         raise bad("use_beam_search: beam search is not supported by servelm", "use_beam_search")
-    if req.prompt_logprobs is not None:
-        error = top_logprobs_error(req.prompt_logprobs, "prompt_logprobs")
-        if error:
-            raise bad(error, "prompt_logprobs")
+    if req.prompt_logprobs is not None:  # its range: OpenAIServing.logprobs_count
         if req.stream:
             raise bad("prompt_logprobs is not available when stream is true", "prompt_logprobs")
 
@@ -154,6 +151,14 @@ class OpenAIServing:
         request must also fit the KV pool), else the scheduler's limit."""
         return self.state.server_args.context_length or self.manager.context_length
 
+    def logprobs_count(self, value: int | None, param: str) -> int | None:
+        """A request's number of top logprobs checked against --max-logprobs (a 400 naming `param`), -1 (with
+        --max-logprobs -1) meaning the whole vocabulary."""
+        error = top_logprobs_error(value, param, self.state.server_args.max_logprobs)
+        if error:
+            raise bad(error, param)
+        return self.manager.vocab_size if value == -1 else value
+
     def check_model(self, name: str | None) -> None:
         if name and name != self.state.model_name:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves `{self.state.model_name}`.",
@@ -213,6 +218,7 @@ class OpenAIServing:
                         json_schema: str | None = None, schema_param: str = "response_format") -> SamplingParams:
         """SamplingParams of an OpenAI request; `json_schema` (from `schema_param`, e.g. a tool call's) is one
         more constraint besides the request's own (at most one in all)."""
+        req.prompt_logprobs = self.logprobs_count(req.prompt_logprobs, "prompt_logprobs")
         check_request_options(req)
         ctx = self.manager.context_length
         longest = max(prompt_lens)

@@ -41,7 +41,7 @@ from servelm.entrypoints.tool_calls import (
 )
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.tokenizer_manager import RequestGroup
-from servelm.sampling_params import SamplingParams, top_logprobs_error
+from servelm.sampling_params import SamplingParams
 
 
 def check_text_only(req: ChatCompletionRequest) -> None:
@@ -133,9 +133,7 @@ class ServingChat(OpenAIServing):
         self.check_model(req.model)
         if not req.messages:
             raise bad("messages must be a non-empty list of messages", "messages")
-        error = top_logprobs_error(req.top_logprobs)
-        if error:
-            raise bad(error, "top_logprobs")
+        req.top_logprobs = self.logprobs_count(req.top_logprobs, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise bad("top_logprobs requires logprobs to be true", "top_logprobs")
         check_text_only(req)

@@ -22,7 +22,6 @@ from servelm.entrypoints.serving_base import OpenAIServing
 from servelm.entrypoints.streaming import Accumulated, finish_reason_str, matched, sse, stream_events, usage
 from servelm.managers.io_struct import TokenOut
 from servelm.managers.tokenizer_manager import RequestGroup
-from servelm.sampling_params import top_logprobs_error
 
 
 class ServingCompletions(OpenAIServing):
@@ -60,9 +59,7 @@ class ServingCompletions(OpenAIServing):
         if req.max_tokens is not None and req.max_tokens < 1 and not (req.max_tokens == 0 and req.echo):
             raise bad(f"max_tokens must be at least 1 (0 only with echo: the prompt back, scored with logprobs), "
                       f"got {req.max_tokens}", "max_tokens")
-        error = top_logprobs_error(req.logprobs, "logprobs")
-        if error:
-            raise bad(error, "logprobs")
+        req.logprobs = self.logprobs_count(req.logprobs, "logprobs")
 
     async def create(self, req: CompletionRequest, request: Request) -> Any:
         """POST /v1/completions."""

@@ -294,7 +294,10 @@ def test_top_logprobs_minus_one_is_one_400(server: ServerProcess) -> None:
     errs = [error(server, CHAT, {"messages": MESSAGES, "top_logprobs": -1, **extra})
             for extra in ({}, {"logprobs": True}, {"logprobs": False})]
     assert all(e == errs[0] for e in errs) and errs[0]["param"] == "top_logprobs"
-    assert errs[0]["message"] == "top_logprobs must be in [0, 20], got -1"
+    assert errs[0]["message"] == ("top_logprobs -1 (the whole vocabulary) needs the server started with "
+                                  "--max-logprobs -1; this one allows at most 20")
+    assert error(server, CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21})["message"] == \
+        "top_logprobs must be in [0, 20], got 21"
 
 
 def test_every_bad_logit_bias_key_is_named(server: ServerProcess) -> None:
@@ -324,11 +327,12 @@ def test_beam_search_is_refused_not_ignored(server: ServerProcess) -> None:
         == 200
 
 
-def test_return_tokens_as_token_ids_server_flag(tiny_llama: tuple[Path, object], tmp_path: Path) -> None:
-    """vLLM's --return-tokens-as-token-ids: every logprob names its token as token_id:N without the request
-    asking."""
+def test_return_tokens_as_token_ids_and_max_logprobs_flags(tiny_llama: tuple[Path, object], tmp_path: Path) -> None:
+    """vLLM's --return-tokens-as-token-ids (every logprob names its token as token_id:N without the request
+    asking) and --max-logprobs -1 (-1 in a request: the whole vocabulary)."""
     srv = start_server(["--model-path", str(tiny_llama[0]), "--disable-torch-compile", "--max-total-tokens", "1024",
-                        "--served-model-name", "x", "--return-tokens-as-token-ids"], tmp_path / "server.log")
+                        "--served-model-name", "x", "--return-tokens-as-token-ids", "--max-logprobs", "-1"],
+                       tmp_path / "server.log")
     try:
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
         chat = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=3, logprobs=True,
@@ -336,5 +340,14 @@ def test_return_tokens_as_token_ids_server_flag(tiny_llama: tuple[Path, object],
         assert all(re.fullmatch(r"token_id:\d+", t.token) for t in chat.choices[0].logprobs.content)
         cmpl = client.completions.create(model="x", prompt="Hello", max_tokens=3, logprobs=1)
         assert all(re.fullmatch(r"token_id:\d+", t) for t in cmpl.choices[0].logprobs.tokens)
+        vocab = httpx.get(f"{srv.base_url}/server_info", timeout=30).json()["vocab_size"]
+        whole = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1, logprobs=True,
+                                               top_logprobs=-1)
+        assert len(whole.choices[0].logprobs.content[0].top_logprobs) == vocab
+        ids = httpx.post(f"{srv.base_url}/v1/tokenize", json={"prompt": "Hi there"}, timeout=30).json()["tokens"]
+        scored = client.completions.create(model="x", prompt=ids, max_tokens=1, logprobs=-1,
+                                           extra_body={"prompt_logprobs": -1})
+        assert len(scored.choices[0].logprobs.top_logprobs[0]) >= vocab  # the chosen token among them
+        assert all(len(e) == vocab for e in scored.choices[0].model_extra["prompt_logprobs"][1:])
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]

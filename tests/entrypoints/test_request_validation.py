@@ -93,7 +93,10 @@ def test_sampling_params_range_checks_of_issue_15() -> None:
     SamplingParams(seed=-(2**63)).validate(10)
     with pytest.raises(SamplingParamsError, match=r"seed must be in \[-2\^63, 2\^63 - 1\], got 9223372036854775808"):
         SamplingParams(seed=2**63).validate(10)
-    assert top_logprobs_error(-1) == "top_logprobs must be in [0, 20], got -1"
+    assert top_logprobs_error(-1) == ("top_logprobs -1 (the whole vocabulary) needs the server started with "
+                                      "--max-logprobs -1; this one allows at most 20")
+    assert top_logprobs_error(21) == "top_logprobs must be in [0, 20], got 21"
+    assert top_logprobs_error(-1, limit=-1) is None and top_logprobs_error(500, limit=-1) is None
     assert top_logprobs_error(None) is None and top_logprobs_error(20) is None
     with pytest.raises(SamplingParamsError) as exc:  # every bad key named, not only the first
         SamplingParams(logit_bias={"1": 0, "x": 1, "10": 1, "-2": 1}).validate(10)
