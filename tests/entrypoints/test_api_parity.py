@@ -340,7 +340,7 @@ def test_return_tokens_as_token_ids_and_max_logprobs_flags(tiny_llama: tuple[Pat
         assert all(re.fullmatch(r"token_id:\d+", t.token) for t in chat.choices[0].logprobs.content)
         cmpl = client.completions.create(model="x", prompt="Hello", max_tokens=3, logprobs=1)
         assert all(re.fullmatch(r"token_id:\d+", t) for t in cmpl.choices[0].logprobs.tokens)
-        vocab = httpx.get(f"{srv.base_url}/server_info", timeout=30).json()["vocab_size"]
+        vocab = httpx.get(f"{srv.base_url}/model_info", timeout=30).json()["vocab_size"]
         whole = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1, logprobs=True,
                                                top_logprobs=-1)
         assert len(whole.choices[0].logprobs.content[0].top_logprobs) == vocab
