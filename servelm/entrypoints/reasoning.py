@@ -20,10 +20,11 @@ returning one) adds a format by its name.
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 from typing import Any
+
+from servelm.plugins import with_plugins
 
 logger = logging.getLogger(__name__)
 
@@ -45,22 +46,12 @@ BUILTIN = {f.name: f for f in (ReasoningFormat("qwen3"), ReasoningFormat("deepse
 
 def formats() -> dict[str, ReasoningFormat]:
     """The built-in formats and those of installed plugins (a plugin's name may not shadow a built-in)."""
-    out = dict(BUILTIN)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in out:
-            logger.warning("reasoning parser plugin %s (%s) ignored: the name is built in", ep.name, ep.value)
-            continue
-        try:
-            obj = ep.load()
-            fmt = obj() if callable(obj) and not isinstance(obj, ReasoningFormat) else obj
-        except Exception as exc:  # a broken plugin must not take the server down
-            logger.warning("reasoning parser plugin %s (%s) could not be loaded: %s", ep.name, ep.value, exc)
-            continue
-        if isinstance(fmt, ReasoningFormat):
-            out[ep.name] = fmt
-        else:
-            logger.warning("reasoning parser plugin %s (%s) is not a ReasoningFormat", ep.name, ep.value)
-    return out
+
+    def convert(obj: Any) -> ReasoningFormat | None:
+        fmt = obj() if callable(obj) and not isinstance(obj, ReasoningFormat) else obj
+        return fmt if isinstance(fmt, ReasoningFormat) else None
+
+    return with_plugins(ENTRY_POINT_GROUP, BUILTIN, convert, "reasoning parser (a ReasoningFormat)")
 
 
 def resolve(name: str | None, chat_template: str | None) -> ReasoningFormat | None:

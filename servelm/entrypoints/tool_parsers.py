@@ -26,7 +26,6 @@ growing as each parameter ends, `}` when the call does.
 from __future__ import annotations
 
 import ast
-import importlib.metadata
 import json
 import logging
 from collections.abc import Sequence
@@ -41,6 +40,7 @@ from servelm.entrypoints.openai_protocol import (
     ToolCall,
     random_id,
 )
+from servelm.plugins import with_plugins
 
 logger = logging.getLogger(__name__)
 
@@ -476,21 +476,9 @@ BUILTIN: dict[str, type[ToolParser]] = {p.name: p for p in (
 
 def parsers() -> dict[str, type[ToolParser]]:
     """The built-in parsers and those of installed plugins (a plugin's name may not shadow a built-in)."""
-    out = dict(BUILTIN)
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in out:
-            logger.warning("tool parser plugin %s (%s) ignored: the name is built in", ep.name, ep.value)
-            continue
-        try:
-            cls = ep.load()
-        except Exception as exc:  # a broken plugin must not take the server down
-            logger.warning("tool parser plugin %s (%s) could not be loaded: %s", ep.name, ep.value, exc)
-            continue
-        if isinstance(cls, type) and issubclass(cls, ToolParser):
-            out[ep.name] = cls
-        else:
-            logger.warning("tool parser plugin %s (%s) is not a ToolParser subclass", ep.name, ep.value)
-    return out
+    return with_plugins(ENTRY_POINT_GROUP, BUILTIN,
+                        lambda cls: cls if isinstance(cls, type) and issubclass(cls, ToolParser) else None,
+                        "tool parser (a ToolParser subclass)")
 
 
 def pick_parser(chat_template: str | None) -> str | None:

@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 
+from servelm import plugins
 from servelm.config import ConfigError, ServerArgs
 from servelm.entrypoints import reasoning
 from servelm.entrypoints.reasoning import BUILTIN, ReasoningFormat, ReasoningStream, auto_format, resolve, split
@@ -95,7 +96,7 @@ def test_a_plugin_adds_a_format_by_entry_point(monkeypatch: pytest.MonkeyPatch) 
     kimi = ReasoningFormat("kimi", start="◁think▷", end="◁/think▷")
     eps = [EntryPoint("kimi", kimi), EntryPoint("qwen3", kimi), EntryPoint("broken", ImportError("no module")),
            EntryPoint("made", lambda: ReasoningFormat("made", start="[T]", end="[/T]"))]
-    monkeypatch.setattr(reasoning.importlib.metadata, "entry_points", lambda group: eps)
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: eps)
     known = reasoning.formats()
     assert known["kimi"] is kimi and known["qwen3"] is QWEN3 and "broken" not in known  # built-ins win
     assert split(known["made"], "[T]hm[/T]ok") == ("hm", "ok")

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from servelm import plugins
 from servelm.config import ConfigError, ServerArgs
 from servelm.entrypoints import tool_parsers
 from servelm.entrypoints.openai_protocol import ChatTool
@@ -154,7 +155,7 @@ def test_a_plugin_adds_a_parser_by_entry_point(monkeypatch: pytest.MonkeyPatch) 
             return self._obj
 
     eps = [EntryPoint("bracket", Bracket), EntryPoint("hermes", Bracket), EntryPoint("junk", object())]
-    monkeypatch.setattr(tool_parsers.importlib.metadata, "entry_points", lambda group: eps)
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: eps)
     known = tool_parsers.parsers()
     assert known["bracket"] is Bracket and known["hermes"] is tool_parsers.HermesParser and "junk" not in known
     assert _calls(make_parser("bracket", TOOLS).parse('hi <<get_time {}>>')[1]) == [("get_time", {})]
