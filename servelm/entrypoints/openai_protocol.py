@@ -230,6 +230,7 @@ class _SamplingFields(_TopRequest):
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncate_prompt_tokens cuts
     use_beam_search: bool = False  # refused when true: servelm has no beam search
     # OpenAI fields that change nothing a local server does: accepted and ignored.
     user: str | None = None

@@ -169,16 +169,17 @@ class OpenAIServing:
         if error:
             raise bad(error, param)
 
-    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
-        """vLLM's truncate_prompt_tokens: the last `keep` tokens of a prompt; -1 keeps as many as leave room
-        for one generated token in the context. Checked here, before the prompt is cut."""
+    def truncate(self, ids: list[int], keep: int | None, side: str | None = None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the last `keep` tokens of a prompt (the first ones with
+        truncation_side "right"); -1 keeps as many as leave room for one generated token in the context.
+        Checked here, before the prompt is cut."""
         if keep is None:
             return ids
         if keep < 1 and keep != -1:
             raise bad(f"truncate_prompt_tokens must be at least 1 (or -1: as many as fit the context), got {keep}",
                       "truncate_prompt_tokens")
         keep = max(1, self.manager.context_length - 1) if keep == -1 else keep
-        return ids[-keep:]
+        return ids[:keep] if side == "right" else ids[-keep:]
 
     def token_str(self, token_id: int, as_ids: bool = False) -> str:
         """A token as logprobs show it: its text, or vLLM's `token_id:N` (return_tokens_as_token_ids)."""

@@ -156,7 +156,7 @@ class ServingChat(OpenAIServing):
                                                tool_dicts, req.chat_template_kwargs)
         except Exception as exc:  # jinja errors (e.g. roles out of order) are the request's fault
             raise bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
-        ids = self.truncate(ids, req.truncate_prompt_tokens)
+        ids = self.truncate(ids, req.truncate_prompt_tokens, req.truncation_side)
         self.check_ids(ids, "messages")
         limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -43,7 +43,7 @@ class ServingCompletions(OpenAIServing):
         if not prompts:
             raise bad("prompt must not be empty", "prompt")
         if req.truncate_prompt_tokens is not None:
-            prompts = [self.truncate(p, req.truncate_prompt_tokens) for p in prompts]
+            prompts = [self.truncate(p, req.truncate_prompt_tokens, req.truncation_side) for p in prompts]
             texts = [None] * len(prompts)  # echo shows what the model read
         for ids in prompts:
             self.check_ids(ids, "prompt")

@@ -226,6 +226,12 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(server: ServerProcess, clien
     r = client.completions.create(model="x", prompt=prompt, max_tokens=1, echo=True,
                                   extra_body={"truncate_prompt_tokens": 3, "return_token_ids": True})
     assert r.usage.prompt_tokens == 3 and r.choices[0].model_extra["prompt_token_ids"] == ids[-3:]
+    right = client.completions.create(model="x", prompt=prompt, max_tokens=1, echo=True,
+                                      extra_body={"truncate_prompt_tokens": 3, "truncation_side": "right",
+                                                  "return_token_ids": True})
+    assert right.choices[0].model_extra["prompt_token_ids"] == ids[:3]
+    assert error(server, CMPL, {"prompt": prompt, "truncate_prompt_tokens": 3, "truncation_side": "middle"})[
+        "param"] == "truncation_side"
     chat = client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=1,
                                           extra_body={"truncate_prompt_tokens": 5})
     assert chat.usage.prompt_tokens == 5
