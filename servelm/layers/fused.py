@@ -131,6 +131,7 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[
     TILES_MIN_ROWS to 95 requests keep the int8 scheme's integer kernel, where the layer's own ops take the
     fp32 tiles (`quant.decode_tiles_min_rows`)."""
     from servelm.kernels import quant
+
     weights, fmts, parts, biases, names = args
     backend = backend or quant.kernel_backend()  # the layer's frozen quant path (default: the process's)
     tiles_from = layer.fused_tiles_from.get(backend)
