@@ -33,30 +33,30 @@ def opt(default: Any, help: str, *, choices: list | None = None, aliases: tuple[
                                             "negations": negations})
 
 
-def _given(namespace: argparse.Namespace, dest: str) -> None:
-    given = getattr(namespace, EXPLICIT, None)
-    if given is None:
-        given = set()
-        setattr(namespace, EXPLICIT, given)
-    given.add(dest)
+class _Given:
+    """An argparse action mixin that records its dest in the namespace's EXPLICIT set when the flag is given."""
 
+    dest: str
 
-class _Store(argparse._StoreAction):
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None):
-        super().__call__(parser, namespace, values, option_string)
-        _given(namespace, self.dest)
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[misc]
+        given = getattr(namespace, EXPLICIT, None)
+        if given is None:
+            given = set()
+            setattr(namespace, EXPLICIT, given)
+        given.add(self.dest)
 
 
-class _StoreTrue(argparse._StoreTrueAction):
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None):
-        super().__call__(parser, namespace, values, option_string)
-        _given(namespace, self.dest)
+class _Store(_Given, argparse._StoreAction):
+    pass
 
 
-class _StoreFalse(argparse._StoreFalseAction):
-    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None):
-        super().__call__(parser, namespace, values, option_string)
-        _given(namespace, self.dest)
+class _StoreTrue(_Given, argparse._StoreTrueAction):
+    pass
+
+
+class _StoreFalse(_Given, argparse._StoreFalseAction):
+    pass
 
 
 _TYPES = {"int": int, "float": float, "int | None": int, "float | None": float}

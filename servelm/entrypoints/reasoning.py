@@ -20,13 +20,11 @@ returning one) adds a format by its name.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
+from servelm.entrypoints.tool_calls import held_prefix
 from servelm.plugins import with_plugins
-
-logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "servelm.reasoning_parsers"
 
@@ -77,14 +75,6 @@ def auto_format(chat_template: str | None) -> ReasoningFormat | None:
     return BUILTIN["qwen3" if "enable_thinking" in template else "deepseek_r1"]
 
 
-def _held(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker` (it may become the marker)."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ReasoningStream:
     """One output split into reasoning and answer, delta by delta.
 
@@ -109,11 +99,6 @@ class ReasoningStream:
         self._closed_here = False  # the output closed a block (so it thought, maybe with no text)
         self.reasoning_text = ""  # what went out as reasoning so far
         self.answer_text = ""  # and as answer
-
-    @property
-    def thinking(self) -> bool:
-        """Whether the output may still be in its reasoning (the tokens fed so far were reasoning)."""
-        return self.state != "answer"
 
     def feed(self, delta: str) -> tuple[str, str]:
         """Add `delta`; returns the (reasoning, answer) text that can go out now."""
@@ -160,7 +145,7 @@ class ReasoningStream:
                     reasoning += self._buf.rstrip()
                     self._buf = ""
                     break
-                body = self._buf[:len(self._buf) - _held(self._buf, fmt.end)]
+                body = self._buf[:len(self._buf) - held_prefix(self._buf, fmt.end)]
                 keep = len(body.rstrip())  # whitespace before a possible closing marker waits too
                 reasoning += self._buf[:keep]
                 self._buf = self._buf[keep:]

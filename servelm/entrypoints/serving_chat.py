@@ -34,7 +34,6 @@ from servelm.entrypoints.serving_base import OpenAIServing
 from servelm.entrypoints.streaming import Accumulated, finish_reason_str, matched, sse, stream_events, usage
 from servelm.entrypoints.tool_calls import (
     ConstrainedCallStream,
-    HermesStream,
     ToolPlan,
     plan_tool_calls,
     template_messages,
@@ -299,7 +298,7 @@ class ChatStream:
         the calls follow as they are written, and the last delta has any text after them (and the logprobs)."""
         assert self.tools is not None
         if index not in self.tool_streams:
-            self.tool_streams[index] = self.tools.parser.stream() if self.tools.parser is not None else HermesStream()
+            self.tool_streams[index] = self.tools.parser.stream()
         parser = self.tool_streams[index]
         content = parser.feed(out.text)
         deltas = parser.call_deltas()

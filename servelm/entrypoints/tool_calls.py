@@ -34,6 +34,15 @@ HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 
 
+def held_prefix(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker`: what a stream holds back
+    because the next delta may complete the marker (the tool parsers' and the reasoning splitter's too)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return k
+    return 0
+
+
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a finished output in the hermes format; a block that is not a JSON call with a
     name (cut off, or malformed) stays in the content as it was written."""
@@ -186,12 +195,8 @@ class HermesStream:
             self.in_call = True
             end = start
         else:
-            end = len(self.text)
             # A tail that is a prefix of "<tool_call>" waits for the next delta.
-            for k in range(min(len(HERMES_OPEN) - 1, len(self.text) - self.sent), 0, -1):
-                if HERMES_OPEN.startswith(self.text[-k:]):
-                    end = len(self.text) - k
-                    break
+            end = len(self.text) - held_prefix(self.text[self.sent:], HERMES_OPEN)
         out, self.sent = self.text[self.sent:end], end
         return out
 
@@ -248,7 +253,7 @@ class ToolPlan:
         """(content, calls) of a finished output. Output that reads as no call (a "required" list cut off by
         max_tokens) stays visible as the content."""
         if self.auto:
-            return self.parser.parse(text) if self.parser is not None else parse_hermes(text)
+            return self.parser.parse(text)
         if self.named is not None:
             return None, [ToolCall(id=random_id("call"), function=FunctionCall(name=self.named, arguments=text))]
         try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -40,9 +39,8 @@ from servelm.entrypoints.openai_protocol import (
     ToolCall,
     random_id,
 )
+from servelm.entrypoints.tool_calls import held_prefix
 from servelm.plugins import with_plugins
-
-logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "servelm.tool_parsers"
 
@@ -60,14 +58,6 @@ class PartialCall:
 class Scan:
     content: str  # text that is not a call; while streaming, only what can go out now
     calls: list[PartialCall] = field(default_factory=list)
-
-
-def held_prefix(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
 
 
 def args_prefix(pairs: Sequence[tuple[str, Any]], done: bool) -> str:
@@ -208,8 +198,6 @@ class CallStream:
     def finish(self) -> tuple[str | None, list[ToolCall]]:
         """At the end: (the content not sent yet, the calls)."""
         content, calls = self.parser.parse(self.text)
-        if not calls:
-            return (content or "")[self.sent:] or None, []
         return (content or "")[self.sent:] or None, calls
 
 
@@ -231,7 +219,7 @@ class Llama3JsonParser(ToolParser):
         if body.startswith("{"):
             offset = len(text) - len(body)
             return Scan("", self._json.calls(text[offset:]) if not final else _json_objects(body))
-        if not final and (not head or self.TAG.startswith(head) or (head == body == "")):
+        if not final and self.TAG.startswith(head):  # nothing yet, or the tag being written
             return Scan("")
         if not final and head.startswith(self.TAG):
             return Scan("")  # the tag, then whitespace: a call follows
