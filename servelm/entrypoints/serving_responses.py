@@ -39,7 +39,7 @@ from servelm.entrypoints.responses_protocol import (
 )
 from servelm.entrypoints.serving_base import OpenAIServing
 from servelm.entrypoints.streaming import Accumulated, stream_events
-from servelm.entrypoints.tool_calls import HermesStream, ToolPlan, plan_tool_calls
+from servelm.entrypoints.tool_calls import ToolPlan, plan_tool_calls
 from servelm.managers.tokenizer_manager import RequestGroup
 from servelm.sampling_params import SamplingParams, SamplingParamsError
 
@@ -329,10 +329,10 @@ class ServingResponses(OpenAIServing):
         resp, seq, split, tools = entry.response, itertools.count(), entry.split, entry.tools
         msg, thought = OutputMessage(), ReasoningItem()
         resp.output = []
-        opened: list[str] = []  # the items added so far, in output order ("reasoning", "message")
+        shown = {"reasoning": False, "reasoning done": False, "message": False}  # what the events added / ended
         calls_text = None
         if tools is not None and tools.auto:  # the text before a call streams; the calls come at the end
-            calls_text = tools.parser.stream() if tools.parser is not None else HermesStream()
+            calls_text = tools.parser.stream()
 
         def event(kind: str, **fields: Any) -> str:
             data = {"type": kind, "sequence_number": next(seq), **fields}
@@ -342,17 +342,20 @@ class ServingResponses(OpenAIServing):
             return {"item_id": item.id, "output_index": resp.output.index(item), "content_index": 0}
 
         def close_reasoning() -> Iterator[str]:
-            if opened == ["reasoning"]:
-                opened.append("reasoning done")
-                thought.status = "completed"
-                thought.content = [ReasoningText(text=split.reasoning_text)]
-                yield event("response.reasoning_text.done", text=split.reasoning_text, **where(thought))
-                yield event("response.output_item.done", output_index=0, item=thought.model_dump())
+            """The reasoning item's end (it is output 0; after `finish` the response holds its final copy)."""
+            if shown["reasoning"] and not shown["reasoning done"]:
+                shown["reasoning done"] = True
+                final = resp.output[0] if resp.finished and isinstance(resp.output[0], ReasoningItem) else None
+                item = final or thought.model_copy(update={"status": "completed",
+                                                           "content": [ReasoningText(text=split.reasoning_text)]})
+                yield event("response.reasoning_text.done", text=split.reasoning_text, item_id=thought.id,
+                            output_index=0, content_index=0)
+                yield event("response.output_item.done", output_index=0, item=item.model_dump())
 
         def open_message() -> Iterator[str]:
-            if "message" not in opened:
+            if not shown["message"]:
                 yield from close_reasoning()
-                opened.append("message")
+                shown["message"] = True
                 resp.output.append(msg)
                 yield event("response.output_item.added", output_index=resp.output.index(msg), item=msg.model_dump())
                 yield event("response.content_part.added", part=OutputText(text="").model_dump(), **where(msg))
@@ -364,11 +367,11 @@ class ServingResponses(OpenAIServing):
                 if out.finish_reason is not None:
                     more = split.finish()
                     thinking, answer = thinking + more[0], answer + more[1]
-                if thinking and not opened:
-                    opened.append("reasoning")
+                if thinking and not shown["reasoning"]:
+                    shown["reasoning"] = True
                     resp.output.append(thought)
                     yield event("response.output_item.added", output_index=0, item=thought.model_dump())
-                if thinking and opened == ["reasoning"]:
+                if thinking and not shown["reasoning done"]:
                     yield event("response.reasoning_text.delta", delta=thinking, **where(thought))
             if tools is not None:  # only the text the parser lets out (none for a constrained call)
                 answer = calls_text.feed(answer) if calls_text is not None else ""
@@ -377,12 +380,12 @@ class ServingResponses(OpenAIServing):
                 yield event("response.output_text.delta", delta=answer, logprobs=[], **where(msg))
             if out.finish_reason is None:
                 return
-            finish(entry, acc, self.manager.tokenizer, self.prefix_cache, keep_message="message" in opened)
+            finish(entry, acc, self.manager.tokenizer, self.prefix_cache, keep_message=shown["message"])
             yield from close_reasoning()
             for item in resp.output:
                 if isinstance(item, OutputMessage):
-                    if "message" not in opened:
-                        opened.append("message")
+                    if not shown["message"]:
+                        shown["message"] = True
                         yield event("response.output_item.added", output_index=resp.output.index(item),
                                     item=item.model_copy(update={"status": "in_progress", "content": []}).model_dump())
                         yield event("response.content_part.added", part=OutputText(text="").model_dump(),

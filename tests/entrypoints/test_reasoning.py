@@ -281,3 +281,21 @@ def test_responses_api_returns_a_reasoning_item(server: ServerProcess, client: o
     assert added == ["reasoning", "message"] and kinds[-1] == "response.completed"
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message"]
+
+
+@pytest.mark.slow  # starts a server
+def test_a_streamed_response_cut_off_while_thinking(server: ServerProcess) -> None:
+    events = []
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", timeout=60,
+                      json={"model": "thinker", "input": "2+2?", "temperature": 0, "max_output_tokens": 2,
+                            "stream": True}) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    kinds = [e["type"] for e in events]
+    assert kinds[-1] == "response.incomplete", kinds
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought and THOUGHT.startswith(thought)
+    done = [e for e in events if e["type"] == "response.reasoning_text.done"]
+    assert len(done) == 1 and done[0]["text"] == thought and done[0]["output_index"] == 0
+    assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "message"]
