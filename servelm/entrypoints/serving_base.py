@@ -5,6 +5,7 @@ submit to the scheduler (429 when full), then collect the outputs or hand back a
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import TYPE_CHECKING, Any
@@ -100,31 +101,36 @@ class OpenAIServing:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.manager = state.manager
-        self._reasoning: tuple[ReasoningFormat | None] | None = None  # resolved on first use
-        self._tool_parser: tuple[str | None] | None = None
+
+    def _chat_template(self) -> str | None:
+        template = getattr(self.manager.tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    @functools.cached_property
+    def _reasoning_format(self) -> ReasoningFormat | None:
+        name = self.state.server_args.reasoning_parser
+        fmt = reasoning.resolve(name, self._chat_template())
+        if name is not None:
+            logger.info("reasoning parser: %s", fmt.name if fmt else f"none ({name}: the chat template shows no "
+                        "<think> markers)")
+        return fmt
 
     def reasoning_format(self) -> ReasoningFormat | None:
-        """The --reasoning-parser format (auto: from the chat template), resolved on first use."""
-        if self._reasoning is None:
-            name = self.state.server_args.reasoning_parser
-            template = getattr(self.manager.tokenizer, "chat_template", None)
-            fmt = reasoning.resolve(name, template if isinstance(template, str) else None)
-            if name is not None:
-                logger.info("reasoning parser: %s", fmt.name if fmt else f"none ({name}: the chat template shows "
-                            "no <think> markers)")
-            self._reasoning = (fmt,)
-        return self._reasoning[0]
+        """The --reasoning-parser format (auto: from the chat template), resolved on first use (the tokenizer
+        arrives after the endpoints are built)."""
+        return self._reasoning_format
+
+    @functools.cached_property
+    def _tool_parser_name(self) -> str | None:
+        name = self.state.server_args.tool_call_parser
+        resolved = tool_parsers.resolve(name, self._chat_template())
+        if name == "auto":
+            logger.info("tool-call parser: %s", resolved or "none (the chat template shows no known tool-call format)")
+        return resolved
 
     def tool_parser_name(self) -> str | None:
         """The --tool-call-parser (auto: picked from the chat template, None when it shows no known format)."""
-        if self._tool_parser is None:
-            name = self.state.server_args.tool_call_parser
-            template = getattr(self.manager.tokenizer, "chat_template", None)
-            self._tool_parser = (tool_parsers.resolve(name, template if isinstance(template, str) else None),)
-            if name == "auto":
-                logger.info("tool-call parser: %s", self._tool_parser[0] or "none (the chat template shows no known "
-                            "tool-call format)")
-        return self._tool_parser[0]
+        return self._tool_parser_name
 
     def reasoning_stream(self, prompt: list[int]) -> ReasoningStream | None:
         """A splitter for one output of `prompt` (None without a reasoning parser)."""
