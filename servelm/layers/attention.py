@@ -25,6 +25,7 @@ from torch import nn
 from servelm.layers import fused
 from servelm.layers.batch_invariant import RowRule, row_rule
 from servelm.layers.kernel_choice import kernels_of
+from servelm.mem_cache.memory_pool import LayerKV
 from servelm.model_executor.forward_batch import ForwardBatch
 
 
@@ -40,26 +41,23 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens only) -> [T, H*D]."""
         assert fb.kv_cache is not None
-        k_cache, v_cache = fb.kv_cache.k[self.layer_id], fb.kv_cache.v[self.layer_id]
-        k_cache.index_copy_(0, fb.out_cache_loc, k)
-        v_cache.index_copy_(0, fb.out_cache_loc, v)
-        return self._attend(q, k_cache, v_cache, fb)
+        kv = fb.kv_cache.layer(self.layer_id)
+        kv.write(fb.out_cache_loc, k, v)
+        return self._attend(q, kv, fb)
 
-    def forward_cached(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D] whose tokens' K/V are already in this layer's k_cache, v_cache ([slots, Hkv, D], written
-        by `fused.qkv_rotary_cache`) -> [T, H*D]."""
-        return self._attend(q, k_cache, v_cache, fb)
+    def forward_cached(self, q: torch.Tensor, kv: LayerKV, fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] whose tokens' K/V are already in this layer's KV (written by
+        `fused.qkv_rotary_cache`) -> [T, H*D]."""
+        return self._attend(q, kv, fb)
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv: LayerKV, fb: ForwardBatch) -> torch.Tensor:
         if kernels_of(self).deterministic:
-            return self.invariant(q, k_cache, v_cache, fb)
+            return self.invariant(q, kv, fb)
         if fb.is_decode:
-            return self._decode(q, k_cache, v_cache, fb)
+            return self._decode(q, kv, fb)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if fb.decode_tokens is not None:
-            out.index_copy_(0, fb.decode_tokens, self._decode(q.index_select(0, fb.decode_tokens), k_cache,
-                                                              v_cache, fb))
+            out.index_copy_(0, fb.decode_tokens, self._decode(q.index_select(0, fb.decode_tokens), kv, fb))
         gqa = self.num_heads != self.num_kv_heads
         start = 0
         for n, seq_len, index in zip(fb.extend_lens, fb.seq_lens, fb.kv_indices):
@@ -68,8 +66,9 @@ class PagedAttention(nn.Module):
                 continue  # in the batched decode above
             prefix = seq_len - n
             qi = q[start - n:start].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            ki = k_cache.index_select(0, index).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vi = v_cache.index_select(0, index).transpose(0, 1).unsqueeze(0)
+            ki, vi = kv.gather(index)
+            ki = ki.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vi = vi.transpose(0, 1).unsqueeze(0)
             if prefix == 0:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=gqa)
             else:
@@ -80,20 +79,19 @@ class PagedAttention(nn.Module):
             out[start - n:start] = oi[0].transpose(0, 1).reshape(n, -1)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: LayerKV, fb: ForwardBatch) -> torch.Tensor:
         """q: [B, H, D] of the step's one-token requests (fb.decode_reqs) -> [B, H*D]."""
-        if fused.available(q, k_cache, v_cache, kernels=kernels_of(self)):  # one C++ op (fp32 on CPU)
+        if fused.available(q, kernels=kernels_of(self)) and fused.kv_available(kv):  # one C++ op (fp32, CPU)
             assert fb.decode_kv_index is not None and fb.decode_lens is not None
-            return fused.decode_attention(q, k_cache, v_cache, fb.decode_kv_index, fb.decode_lens, self.scale)
+            return fused.decode_attention(q, kv, fb.decode_kv_index, fb.decode_lens, self.scale)
         rows, bias = self._decode_plan(fb, q.dtype)
         Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
         B, L = fb.decode_kv_index.shape
         # Gathered straight into head-major [Hkv * B, L, D] from the cache seen as [slots * Hkv, D] rows, so
         # both bmms read contiguous batches with no copy (gathering [B * L, Hkv, D] and transposing made each
         # matmul copy its operand: 2x slower at batch 64).
-        keys = k_cache.view(-1, D).index_select(0, rows).view(Hkv * B, L, D)
-        values = v_cache.view(-1, D).index_select(0, rows).view(Hkv * B, L, D)
+        keys, values = kv.gather_rows(rows)
+        keys, values = keys.view(Hkv * B, L, D), values.view(Hkv * B, L, D)
         # Query head h reads kv head h // group (HF's repeat_interleave order): [Hkv * B, group, D]
         qg = q.view(B, Hkv, g, D).transpose(0, 1).reshape(Hkv * B, g, D)
         scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=self.scale)  # [Hkv * B, group, L]
@@ -212,9 +210,8 @@ class BatchInvariantAttention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                fb: ForwardBatch) -> torch.Tensor:
-        """q: [T, H, D] (this step's tokens; their K/V already in the cache) -> [T, H*D]."""
+    def forward(self, q: torch.Tensor, kv: LayerKV, fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, H, D] (this step's tokens; their K/V already in the layer's KV) -> [T, H*D]."""
         units = self._plan(fb, q.dtype, q.device)
         Hkv, g, D = self.num_kv_heads, self.group, self.head_dim
         T = q.shape[0]
@@ -228,8 +225,9 @@ class BatchInvariantAttention(nn.Module):
                 qu = torch.cat([qu, qu.new_zeros(Hkv, u.B, u.rows - u.n * g, D)], dim=2)
             # Gathered straight into [Hkv, B, nch, C, D] from the cache seen as [slots * Hkv, D] rows: 2.4x
             # faster than gathering [B*nch*C, Hkv, D] and permuting (measured at batch 64).
-            keys = k_cache.view(-1, D).index_select(0, u.rows_index).view(Hkv, u.B, u.nch, KV_CHUNK, D)
-            values = v_cache.view(-1, D).index_select(0, u.rows_index).view(Hkv, u.B, u.nch, KV_CHUNK, D)
+            keys, values = kv.gather_rows(u.rows_index)
+            keys = keys.view(Hkv, u.B, u.nch, KV_CHUNK, D)
+            values = values.view(Hkv, u.B, u.nch, KV_CHUNK, D)
             o = attend_chunks(qu, keys, values, u.mask, self.scale)
             # [Hkv, B, rows, D] -> [B*n, H*D]
             o = o[:, :, : u.n * g].reshape(Hkv, u.B, u.n, g, D).permute(1, 2, 0, 3, 4)

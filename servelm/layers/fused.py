@@ -7,7 +7,8 @@ index_select/baddbmm/softmax/bmm, SiLU-and-multiply); each op here replaces 3 to
 The layers call these only where `available(...)` says so: the kernel library loaded (it is built with the
 quantised-weight kernels, `servelm.kernels.build`), every tensor is fp32 on CPU, deterministic mode
 (`--enable-deterministic-inference`) is off (that mode keeps its own batch-invariant torch code), and the
-fused ops are not switched off (`SERVELM_FUSED_OPS=0` at start-up, or `set_enabled(False)`). Otherwise the
+fused ops are not switched off (`SERVELM_FUSED_OPS=0` at start-up, or `set_enabled(False)`); the KV cache may
+be in any `--kv-cache-dtype` (`kv_available`). Otherwise the
 layers run their torch code, which these ops match to ~1e-6 relative (no FMA; exp within ~2 ulp).
 """
 
@@ -94,16 +95,33 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     return _ops().rotary.default(positions, _heads_rows(q), _heads_rows(k), cos, sin)
 
 
+def kv_available(kv: Any) -> bool:
+    """Whether the fused ops read and write this layer's KV (a memory_pool.LayerKV): fp32 compute on CPU, any
+    storage dtype of `--kv-cache-dtype`."""
+    return kv.compute_dtype == torch.float32 and kv.k.device.type == "cpu"
+
+
 def qkv_rotary_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, out_cache_loc: torch.Tensor,
-                     num_heads: int) -> torch.Tensor:
+                     kv: Any, out_cache_loc: torch.Tensor, num_heads: int) -> torch.Tensor:
     """From a fused projection qkv [T, (H + 2 Hkv) * D]: q [T, H, D] rotated; k rotated and v written into
-    the [slots, Hkv, D] caches at out_cache_loc [T] (split + rotary + the two index_copy_ in one op)."""
+    the layer's KV (a memory_pool.LayerKV, encoded in its dtype) at out_cache_loc [T] (split + rotary + the
+    two index_copy_ in one op)."""
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     if positions.dtype != torch.long or not positions.is_contiguous():
         positions = positions.to(torch.long).contiguous()
-    return _ops().qkv_rotary_cache.default(qkv, positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads)
+    return _ops().qkv_rotary_cache.default(qkv, positions, cos, sin, kv.k, kv.v, kv.k_scale, kv.v_scale,
+                                           out_cache_loc, num_heads)
+
+
+def kv_encode(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The C++ encoding of rows x [N, D] into a KV storage dtype (memory_pool.encode's bits): (values, the
+    float16 scales for int8 or None)."""
+    x = x.float().contiguous()
+    dst = torch.empty(x.shape, dtype=dtype)
+    scale = torch.empty(x.shape[0], dtype=torch.float16) if dtype == torch.int8 else None
+    _ops().kv_encode.default(x, dst, scale)
+    return dst, scale
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -113,13 +131,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _ops().silu_and_mul.default(gate_up)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_index: torch.Tensor,
-                     lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per request: q [B, H, D] over the first lens[b] slots of kv_index [B, L] in the
-    [slots, Hkv, D] caches -> [B, H * D]."""
+def decode_attention(q: torch.Tensor, kv: Any, kv_index: torch.Tensor, lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token per request: q [B, H, D] over the first lens[b] slots of kv_index [B, L] in a layer's
+    KV (a memory_pool.LayerKV, read in its storage dtype) -> [B, H * D]."""
     if not q.is_contiguous():
         q = q.contiguous()
-    return _ops().decode_attention.default(q, k_cache, v_cache, kv_index, lens, scale)
+    return _ops().decode_attention.default(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv_index, lens, scale)
 
 
 def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[str]], positions: torch.Tensor,
@@ -139,7 +157,7 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[
         tiles_from = [quant.decode_tiles_min_rows(name, backend) for name in names]
         layer.fused_tiles_from[backend] = tiles_from
     attn = layer.self_attn
-    layer_id = attn.attn.layer_id
+    kv = fb.kv_cache.layer(attn.attn.layer_id)
     if positions.dtype != torch.long or not positions.is_contiguous():
         positions = positions.to(torch.long).contiguous()
     if not hidden.is_contiguous():
@@ -149,5 +167,5 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[
     return _ops().decode_layer.default(
         hidden, residual, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
         layer.input_layernorm.eps, weights, fmts, parts, biases, positions, attn.rotary.cos, attn.rotary.sin,
-        fb.kv_cache.k[layer_id], fb.kv_cache.v[layer_id], fb.out_cache_loc, fb.decode_kv_index, fb.decode_lens,
+        kv.k, kv.v, kv.k_scale, kv.v_scale, fb.out_cache_loc, fb.decode_kv_index, fb.decode_lens,
         attn.num_heads, attn.attn.scale, quant.isa_index(backend), tiles_from)

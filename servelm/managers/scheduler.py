@@ -483,6 +483,8 @@ class Scheduler:
             "kv_in_use_tokens": self.in_use_pages() * P,
             "kv_integrity_ok": integrity_ok,
             "kv_integrity_error": integrity_error,
+            # what the pool holds (the runner's --kv-cache-dtype): dtype, storage, scales, bytes per token
+            **{k: v for k, v in self._model_info.items() if k.startswith("kv_cache_")},
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "cache_hit_rate": self.cache.hit_rate,

@@ -16,7 +16,7 @@ from servelm.config import ConfigError, ServerArgs
 from servelm.layers.kernel_choice import KernelChoice, freeze_kernels
 from servelm.layers.sampler import sample
 from servelm.managers.schedule_batch import SampleOutput, StepInput
-from servelm.mem_cache.memory_pool import KVCache
+from servelm.mem_cache.memory_pool import KVCache, resolve_kv_dtype
 from servelm.model_executor.forward_batch import ForwardBatch
 from servelm.model_loader.default_model import model_path_or_default
 from servelm.model_loader.quantization import resolve_quantization
@@ -118,21 +118,23 @@ class ModelRunner:
         self.vocab_size = config.vocab_size
 
         attn = self.model.model.layers[0].self_attn
+        kv_dtype = resolve_kv_dtype(server_args.kv_cache_dtype, self.dtype, self.device,
+                                    server_args.enable_deterministic_inference)
         bytes_per_token = KVCache.bytes_per_token(config.num_hidden_layers, attn.num_kv_heads, head_dim_of(config),
-                                                  self.dtype)
+                                                  kv_dtype)
         tokens = self._kv_budget_tokens(bytes_per_token)
         page = server_args.page_size
         self.num_pages = max(tokens // page, 2)
         self.kv_cache = KVCache(config.num_hidden_layers, self.num_pages * page, attn.num_kv_heads,
-                                head_dim_of(config), self.dtype, self.device)
+                                head_dim_of(config), self.dtype, self.device, kv_dtype)
         self.max_context_len = min(max_positions, self.num_pages * page)
         self.load_seconds = time.perf_counter() - t0
         tp_note = f", TP rank {tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
-        logger.info("Loaded %s (%s, %s, %s%s) in %.1f s; KV cache %d tokens (%.2f GiB)", self.model_path,
+        logger.info("Loaded %s (%s, %s, %s%s) in %.1f s; KV cache %d tokens (%.2f GiB, %s)", self.model_path,
                     config.architectures[0], str(self.dtype).removeprefix("torch."),
                     "oneDNN pre-packed linears" if self.fast_path else
                     "quantised linears" if self.quant_policy.quantized else "eager linears", tp_note, self.load_seconds,
-                    self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30)
+                    self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30, kv_dtype)
         self._log_weights()
         if self.tp_size > 1 and tp_rank == 0:
             self._start_step_sender()
@@ -308,4 +310,4 @@ class ModelRunner:
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "fast_path": self.fast_path, "tp_size": self.tp_size, "load_seconds": round(self.load_seconds, 2),
                 "quantization": self.quant_policy.mode, "weight_formats": self.weight_formats(),
-                "weight_bytes": self.weight_bytes}
+                "weight_bytes": self.weight_bytes, **self.kv_cache.describe()}

@@ -54,13 +54,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if not self.qk_norm and fb.kv_cache is not None and fused.available(qkv, self.rotary.cos, fb.kv_cache.k,
-                                                                                    kernels=kernels_of(self)):
+        if (not self.qk_norm and fb.kv_cache is not None
+                and fused.available(qkv, self.rotary.cos, kernels=kernels_of(self))
+                and fused.kv_available(kv := fb.kv_cache.layer(self.attn.layer_id))):
             # split, rotary and the KV-cache write in one C++ op
-            k_cache, v_cache = fb.kv_cache.k[self.attn.layer_id], fb.kv_cache.v[self.attn.layer_id]
-            q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                                       fb.out_cache_loc, self.num_heads)
-            return self.o_proj(self.attn.forward_cached(q, k_cache, v_cache, fb))
+            q = fused.qkv_rotary_cache(qkv, positions, self.rotary.cos, self.rotary.sin, kv, fb.out_cache_loc,
+                                       self.num_heads)
+            return self.o_proj(self.attn.forward_cached(q, kv, fb))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         # [T, H*D] -> [T, H, D]
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -141,8 +141,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if fb.is_decode and fb.kv_cache is not None and fused.available(hidden, fb.kv_cache.k,
-                                                                        kernels=kernels_of(self)):
+        if (fb.is_decode and fb.kv_cache is not None and fused.available(hidden, kernels=kernels_of(self))
+                and fused.kv_available(fb.kv_cache.layer(self.self_attn.attn.layer_id))):
             args = self.fused_decode_args()
             if args is not None:  # the whole step in one C++ call: the same kernels, the same bits
                 return fused.decode_layer(self, args, positions, hidden, residual, fb, kernels_of(self).quant)

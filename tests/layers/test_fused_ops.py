@@ -13,7 +13,7 @@ from servelm.layers.attention import PagedAttention
 from servelm.layers.batch_invariant import silu_and_mul
 from servelm.layers.layernorm import RMSNorm
 from servelm.layers.rotary import RotaryEmbedding
-from servelm.mem_cache.memory_pool import KVCache
+from servelm.mem_cache.memory_pool import KVCache, LayerKV
 from servelm.model_executor.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not fused.loaded(), reason="the C++ kernels cannot be built here")
@@ -134,14 +134,15 @@ def test_qkv_rotary_cache(isa: int, H: int, Hkv: int, D: int) -> None:
         loc = torch.randperm(500, generator=g)[:T]
         caches = [torch.randn(500, Hkv, D, generator=g) for _ in range(2)]
         k_cache, v_cache = caches[0].clone(), caches[1].clone()
-        q = fused.qkv_rotary_cache(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, loc, H)
+        kv = LayerKV(k_cache, v_cache, None, None, torch.float32)
+        q = fused.qkv_rotary_cache(qkv, positions, rope.cos, rope.sin, kv, loc, H)
         q_ref, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q_ref, k_ref = _torch_path(rope, positions, q_ref.view(T, H, D), k.view(T, Hkv, D))
         caches[0].index_copy_(0, loc, k_ref)
         caches[1].index_copy_(0, loc, v.reshape(T, Hkv, D))
         assert torch.equal(q, q_ref) and torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])
     with pytest.raises(RuntimeError, match="outside"):
-        fused.qkv_rotary_cache(qkv[:1], positions[:1], rope.cos, rope.sin, k_cache, v_cache, torch.tensor([500]), H)
+        fused.qkv_rotary_cache(qkv[:1], positions[:1], rope.cos, rope.sin, kv, torch.tensor([500]), H)
 
 
 def test_rotary_scaled_rope() -> None:
@@ -257,10 +258,10 @@ def test_decode_attention_in_a_mixed_step() -> None:
 def test_decode_attention_checks_its_inputs() -> None:
     cache, slots, q = _decode_case(3, 64, [5, 3], seed=3)
     index = torch.tensor([slots[0], slots[1] + [slots[1][0]] * 2])
-    k, v = cache.k[0], cache.v[0]
+    kv = cache.layer(0)
     with pytest.raises(RuntimeError, match="attends to"):
-        fused.decode_attention(q, k, v, index, torch.tensor([5, 6]), 0.125)
+        fused.decode_attention(q, kv, index, torch.tensor([5, 6]), 0.125)
     with pytest.raises(RuntimeError, match="outside"):
-        fused.decode_attention(q, k, v, index + 4096, torch.tensor([5, 3]), 0.125)
+        fused.decode_attention(q, kv, index + 4096, torch.tensor([5, 3]), 0.125)
     with pytest.raises(RuntimeError, match="float32"):
-        fused.decode_attention(q.double(), k, v, index, torch.tensor([5, 3]), 0.125)
+        fused.decode_attention(q.double(), kv, index, torch.tensor([5, 3]), 0.125)

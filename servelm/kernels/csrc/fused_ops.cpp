@@ -24,6 +24,39 @@ at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 
 namespace servelm_fused {
 
+// KV-cache storage types (servelm/mem_cache/memory_pool.py): fp32, bf16, fp16, fp8 e4m3 / e5m2 without a
+// scale, int8 with a float16 scale per token and KV head.
+enum KvType : int { kKvF32 = 0, kKvBF16 = 1, kKvF16 = 2, kKvE4M3 = 3, kKvE5M2 = 4, kKvI8 = 5 };
+
+// Keys per unit of decode attention (see fused_kernels.inc): a chunk's K (or V) decoded to fp32 is 32 KiB at
+// head_dim 64, inside L1/L2, and a 16k context gives 128 units per KV head to spread over the threads.
+constexpr int64_t kAttnChunk = 128;
+
+// One layer's caches [slots, Hkv, D] and, for int8, their float16 scales [slots, Hkv].
+struct KvView {
+  void* k;
+  void* v;
+  uint16_t* ks;
+  uint16_t* vs;
+  int type;
+};
+
+// A decode-attention call: q [B, H, D]; request b attends to the slots index[b, 0 .. lens[b]); its items
+// (b, hk) split into units of kAttnChunk keys: unit u belongs to item unit_item[u], item i's units are
+// item_first[i] .. item_first[i + 1] - 1, each writes partial[u] ([g][D + 2]); out [B, H * D].
+struct DecodeWork {
+  const float* q;
+  KvView kv;
+  const int64_t* index;
+  const int64_t* lens;
+  float scale;
+  int64_t H, Hkv, D, L;
+  const int64_t* unit_item;
+  const int64_t* item_first;
+  float* partial;
+  float* out;
+};
+
 // One ISA's kernels; each runs on a range of rows (tokens, or (request, kv head) items) so the ops can split it
 // across threads.
 struct Kernels {
@@ -32,9 +65,9 @@ struct Kernels {
   void (*rotary)(const int64_t* pos, const float* x, int64_t xs, int64_t H, int64_t D, const float* cos,
                  const float* sin, float* out, const int64_t* out_rows, int64_t t0, int64_t t1);
   void (*silu_and_mul)(const float* gu, float* y, int64_t I, int64_t r0, int64_t r1);
-  void (*decode_attention)(const float* q, const float* kc, const float* vc, const int64_t* index,
-                           const int64_t* lens, float scale, int64_t H, int64_t Hkv, int64_t D, int64_t L,
-                           float* out, int64_t i0, int64_t i1, float* scores);
+  void (*attend_units)(const DecodeWork& w, int64_t u0, int64_t u1, float* scores, float* kbuf);
+  void (*merge_items)(const DecodeWork& w, int64_t i0, int64_t i1);
+  void (*encode_row)(int kt, const float* x, int64_t D, void* dst, uint16_t* scale);
 };
 
 namespace sse2 {
@@ -208,18 +241,57 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at:
   return {rotate(kk, positions, q, cos, sin), rotate(kk, positions, k, cos, sin)};
 }
 
+int kv_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return kKvF32;
+    case at::kBFloat16: return kKvBF16;
+    case at::kHalf: return kKvF16;
+    case at::kFloat8_e4m3fn: return kKvE4M3;
+    case at::kFloat8_e5m2: return kKvE5M2;
+    case at::kChar: return kKvI8;
+    default: TORCH_CHECK(false, "servelm_fused: a KV cache of ", t, " is not supported");
+  }
+  return kKvF32;
+}
+
+// Checks one layer's caches k_cache, v_cache [slots, Hkv, D] (and int8's scales [slots, Hkv]).
+KvView kv_view(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
+               const std::optional<at::Tensor>& v_scale, int64_t D) {
+  TORCH_CHECK(k_cache.device().is_cpu() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "servelm_fused: k_cache and v_cache must be contiguous CPU tensors of one dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D,
+              "servelm_fused: k_cache and v_cache must be [slots, Hkv, D=", D, "] alike, got ", k_cache.sizes());
+  KvView kv{k_cache.data_ptr(), v_cache.data_ptr(), nullptr, nullptr, kv_type(k_cache.scalar_type())};
+  const bool scaled = kv.type == kKvI8;
+  TORCH_CHECK(scaled == (k_scale.has_value() && k_scale->defined()) &&
+                  scaled == (v_scale.has_value() && v_scale->defined()),
+              "servelm_fused: an int8 KV cache takes k_scale and v_scale, other dtypes none");
+  if (scaled) {
+    for (const at::Tensor* t : {&*k_scale, &*v_scale}) {
+      TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) == k_cache.size(0) && t->size(1) == k_cache.size(1),
+                  "servelm_fused: KV scales must be contiguous float16 [slots, Hkv]");
+    }
+    kv.ks = reinterpret_cast<uint16_t*>(k_scale->data_ptr());
+    kv.vs = reinterpret_cast<uint16_t*>(v_scale->data_ptr());
+  }
+  return kv;
+}
+
+int64_t kv_elem_size(int type) { return type == kKvF32 ? 4 : (type == kKvBF16 || type == kKvF16) ? 2 : 1; }
+
 // The attention input of a layer from its fused projection qkv [T, (H + 2 Hkv) D] (rows may be strided): returns
 // q [T, H, D] rotated, and writes k rotated and v into k_cache, v_cache [slots, Hkv, D] at the slots
-// out_cache_loc [T] (what split + views + rotary + two index_copy_ do).
+// out_cache_loc [T] (what split + views + rotary + two index_copy_ do), encoded in the caches' dtype
+// (memory_pool.encode's bits; int8 also writes the scales).
 at::Tensor qkv_rotary_cache(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                             const at::Tensor& sin, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                             const at::Tensor& out_cache_loc, int64_t H) {
   const int64_t T = check_positions(positions, cos, sin), D = 2 * cos.size(1);
   check_f32(qkv, "qkv");
-  check_contig_f32(k_cache, "k_cache");
-  check_contig_f32(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == D,
-              "servelm_fused: k_cache and v_cache must be [slots, Hkv, D=", D, "] alike, got ", k_cache.sizes());
+  const KvView kv = kv_view(k_cache, v_cache, k_scale, v_scale, D);
   const int64_t Hkv = k_cache.size(1), S = k_cache.size(0), width = (H + 2 * Hkv) * D;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(0) == T && qkv.size(1) == width && qkv.stride(1) == 1 &&
                   (T <= 1 || qkv.stride(0) >= width),
@@ -238,15 +310,51 @@ at::Tensor qkv_rotary_cache(const at::Tensor& qkv, const at::Tensor& positions, 
   const float* xp = qkv.data_ptr<float>();
   const int64_t xs = T > 1 ? qkv.stride(0) : width;
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  const int64_t es = kv_elem_size(kv.type);
+  std::vector<int64_t> zero_rows(kv.type == kKvF32 ? 0 : T, 0);
   at::parallel_for(0, T, grain(width), [&](int64_t t0, int64_t t1) {
     k.rotary(pp, xp, xs, H, D, cp, sp, qp, nullptr, t0, t1);
-    k.rotary(pp, xp + H * D, xs, Hkv, D, cp, sp, kp, lp, t0, t1);
+    if (kv.type == kKvF32) {
+      float *kp = static_cast<float*>(kv.k), *vp = static_cast<float*>(kv.v);
+      k.rotary(pp, xp + H * D, xs, Hkv, D, cp, sp, kp, lp, t0, t1);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::memcpy(vp + lp[t] * Hkv * D, xp + t * xs + (H + Hkv) * D, sizeof(float) * Hkv * D);
+      }
+      return;
+    }
+    std::vector<float> rot(Hkv * D);  // one token's rotated k, then encoded into the cache
     for (int64_t t = t0; t < t1; ++t) {
-      std::memcpy(vp + lp[t] * Hkv * D, xp + t * xs + (H + Hkv) * D, sizeof(float) * Hkv * D);
+      k.rotary(pp, xp + H * D, xs, Hkv, D, cp, sp, rot.data(), zero_rows.data(), t, t + 1);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t row = lp[t] * Hkv + h;
+        k.encode_row(kv.type, rot.data() + h * D, D, static_cast<uint8_t*>(kv.k) + row * D * es,
+                     kv.ks ? kv.ks + row : nullptr);
+        k.encode_row(kv.type, xp + t * xs + (H + Hkv + h) * D, D, static_cast<uint8_t*>(kv.v) + row * D * es,
+                     kv.vs ? kv.vs + row : nullptr);
+      }
     }
   });
   return q;
+}
+
+// Rows x [N, D] (fp32, contiguous) encoded into dst ([N, D] of a KV storage dtype) and, for int8, scale [N]:
+// the C++ side of memory_pool.encode, for tests.
+void kv_encode(const at::Tensor& x, const at::Tensor& dst, const std::optional<at::Tensor>& scale) {
+  check_contig_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && dst.sizes() == x.sizes() && dst.is_contiguous(), "servelm_fused: dst must be [N, D]");
+  const int type = kv_type(dst.scalar_type());
+  TORCH_CHECK((type == kKvI8) == (scale.has_value() && scale->defined()), "servelm_fused: int8 takes a scale");
+  if (type == kKvI8) {
+    TORCH_CHECK(scale->scalar_type() == at::kHalf && scale->is_contiguous() && scale->numel() == x.size(0),
+                "servelm_fused: scale must be contiguous float16 [N]");
+  }
+  const Kernels& k = kernels();
+  const int64_t N = x.size(0), D = x.size(1), es = kv_elem_size(type);
+  for (int64_t r = 0; r < N; ++r) {
+    k.encode_row(type, x.data_ptr<float>() + r * D, D, static_cast<uint8_t*>(dst.data_ptr()) + r * D * es,
+                 type == kKvI8 ? reinterpret_cast<uint16_t*>(scale->data_ptr()) + r : nullptr);
+  }
 }
 
 // silu(gate_up[..., :I]) * gate_up[..., I:] -> [..., I].
@@ -266,19 +374,20 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return y;
 }
 
-// One query token per request over its cached keys: q [B, H, D]; k_cache, v_cache [slots, Hkv, D]; kv_index
-// [B, L] cache slots, of which request b attends to the first lens[b] -> [B, H * D]. Query head h reads kv
-// head h / (H / Hkv); softmax(scale * q.k) with the max subtracted.
+// One query token per request over its cached keys: q [B, H, D]; k_cache, v_cache [slots, Hkv, D] (any KV
+// storage dtype, read as it is: no fp32 copy of the cache); kv_index [B, L] cache slots, of which request b
+// attends to the first lens[b] -> [B, H * D]. Query head h reads kv head h / (H / Hkv); softmax(scale * q.k),
+// as flash-decoding: chunks of kAttnChunk keys on any thread, merged in order (fused_kernels.inc).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
                             const at::Tensor& kv_index, const at::Tensor& lens, double scale) {
   check_contig_f32(q, "q");
-  check_contig_f32(k_cache, "k_cache");
-  check_contig_f32(v_cache, "v_cache");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(),
-              "servelm_fused: q must be [B, H, D], k_cache and v_cache [slots, Hkv, D] alike");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = k_cache.size(0), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D && Hkv > 0 && H % Hkv == 0, "servelm_fused: head_dim/heads of q ", q.sizes(),
-              " and the cache ", k_cache.sizes(), " do not match");
+  TORCH_CHECK(q.dim() == 3, "servelm_fused: q must be [B, H, D]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const KvView kv = kv_view(k_cache, v_cache, k_scale, v_scale, D);
+  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "servelm_fused: heads of q ", q.sizes(), " and the cache ", k_cache.sizes(),
+              " do not match");
   TORCH_CHECK(kv_index.device().is_cpu() && kv_index.scalar_type() == at::kLong && kv_index.is_contiguous() &&
                   kv_index.dim() == 2 && kv_index.size(0) == B,
               "servelm_fused: kv_index must be a contiguous int64 [B, L] CPU tensor");
@@ -289,26 +398,39 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   if (B == 0 || H == 0) return out;
   const int64_t* ip = kv_index.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  int64_t max_len = 0;
+  int64_t keys = 0;
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= L, "servelm_fused: request ", b, " attends to ", lp[b], " positions of ", L);
     for (int64_t l = 0; l < lp[b]; ++l) {
       TORCH_CHECK(ip[b * L + l] >= 0 && ip[b * L + l] < S, "servelm_fused: cache slot ", ip[b * L + l],
                   " outside [0, ", S, ")");
     }
-    max_len = std::max(max_len, lp[b]);
+    keys += lp[b];
   }
+  const int64_t items = B * Hkv, g = H / Hkv;
+  std::vector<int64_t> item_first(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) {
+    item_first[i + 1] = item_first[i] + (lp[i / Hkv] + kAttnChunk - 1) / kAttnChunk;
+  }
+  const int64_t units = item_first[items];
+  std::vector<int64_t> unit_item(units);
+  for (int64_t i = 0; i < items; ++i) {
+    for (int64_t u = item_first[i]; u < item_first[i + 1]; ++u) unit_item[u] = i;
+  }
+  std::vector<float> partial(units * g * (D + 2));
+  const DecodeWork w{q.data_ptr<float>(), kv, ip, lp, static_cast<float>(scale), H, Hkv, D, L, unit_item.data(),
+                     item_first.data(), partial.data(), out.data_ptr<float>()};
   const Kernels& k = kernels();
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  const int64_t g = H / Hkv;
-  // per item ~2 * max_len * g * D multiply-adds
-  at::parallel_for(0, B * Hkv, grain(2 * max_len * g * D), [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> scores;
-    if (static_cast<int64_t>(scores.size()) < g * max_len) scores.resize(g * max_len);
-    k.decode_attention(qp, kp, vp, ip, lp, sc, H, Hkv, D, L, op, i0, i1, scores.data());
+  // per unit ~2 * keys * g * D multiply-adds (keys: its share of the step's)
+  const int64_t per_unit = std::max<int64_t>(1, 2 * (keys * Hkv / units) * g * D);
+  at::parallel_for(0, units, grain(per_unit), [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> scores, kbuf;
+    if (static_cast<int64_t>(scores.size()) < g * kAttnChunk) scores.resize(g * kAttnChunk);
+    if (static_cast<int64_t>(kbuf.size()) < kAttnChunk * D) kbuf.resize(kAttnChunk * D);
+    k.attend_units(w, u0, u1, scores.data(), kbuf.data());
   });
+  at::parallel_for(0, items, grain(units * g * D / items),
+                   [&](int64_t i0, int64_t i1) { k.merge_items(w, i0, i1); });
   return out;
 }
 
@@ -326,8 +448,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& post_norm, double eps, const c10::List<std::optional<at::Tensor>>& weights,
     at::IntArrayRef fmts, at::IntArrayRef parts, const c10::List<std::optional<at::Tensor>>& biases,
     const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-    const at::Tensor& v_cache, const at::Tensor& out_cache_loc, const at::Tensor& kv_index, const at::Tensor& lens,
-    int64_t num_heads, double scale, int64_t isa, at::IntArrayRef tiles_from) {
+    const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+    const at::Tensor& out_cache_loc, const at::Tensor& kv_index, const at::Tensor& lens, int64_t num_heads,
+    double scale, int64_t isa, at::IntArrayRef tiles_from) {
   TORCH_CHECK(parts.size() == 4 && biases.size() == 4, "servelm_fused: decode_layer takes 4 projections");
   int64_t total = 0;
   for (int64_t n : parts) total += n;
@@ -359,8 +482,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     h = rms_norm(hidden, in_norm, eps);
     res = hidden;
   }
-  const at::Tensor q = qkv_rotary_cache(project(0, h), positions, cos, sin, k_cache, v_cache, out_cache_loc, num_heads);
-  const at::Tensor attn = decode_attention(q, k_cache, v_cache, kv_index, lens, scale);
+  const at::Tensor q = qkv_rotary_cache(project(0, h), positions, cos, sin, k_cache, v_cache, k_scale, v_scale,
+                                        out_cache_loc, num_heads);
+  const at::Tensor attn = decode_attention(q, k_cache, v_cache, k_scale, v_scale, kv_index, lens, scale);
   std::tie(h, res) = add_rms_norm(project(1, attn), res, post_norm, eps);
   return {project(3, silu_and_mul(project(2, h))), res};
 }
@@ -377,12 +501,15 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.def("rotary(Tensor positions, Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
           &servelm_fused::rotary);
   lib.def("qkv_rotary_cache(Tensor qkv, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
-          "Tensor(b!) v_cache, Tensor out_cache_loc, int num_heads) -> Tensor", &servelm_fused::qkv_rotary_cache);
+          "Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, Tensor out_cache_loc, int num_heads) "
+          "-> Tensor", &servelm_fused::qkv_rotary_cache);
+  lib.def("kv_encode(Tensor x, Tensor(a!) dst, Tensor(b!)? scale) -> ()", &servelm_fused::kv_encode);
   lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
-  lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_index, Tensor lens, float scale) "
-          "-> Tensor", &servelm_fused::decode_attention);
+  lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+          "Tensor kv_index, Tensor lens, float scale) -> Tensor", &servelm_fused::decode_attention);
   lib.def("decode_layer(Tensor hidden, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, "
           "Tensor?[] weights, int[] fmts, int[] parts, Tensor?[] biases, Tensor positions, Tensor cos, Tensor sin, "
-          "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_cache_loc, Tensor kv_index, Tensor lens, int num_heads, "
-          "float scale, int isa, int[] tiles_from) -> (Tensor, Tensor)", &servelm_fused::decode_layer);
+          "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, Tensor out_cache_loc, "
+          "Tensor kv_index, Tensor lens, int num_heads, float scale, int isa, int[] tiles_from) -> (Tensor, Tensor)",
+          &servelm_fused::decode_layer);
 }
