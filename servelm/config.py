@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,10 +79,12 @@ class ServerArgs:
     page_size: int = _opt(1, "Tokens per KV page.")
     max_total_tokens: int | None = _opt(None, "KV pool size in tokens (overrides the memory-based size).")
     cpu_kv_cache_gb: float = _opt(4.0, "KV pool budget on CPU, in GiB.")
-    kv_cache_dtype: str = _opt("auto", "KV cache storage: auto (bfloat16 on a CPU with AVX-512 BF16, else float16, "
+    kv_cache_dtype: str = _opt(os.environ.get("SERVELM_KV_CACHE_DTYPE") or "auto",
+                               "KV cache storage: auto (bfloat16 on a CPU with AVX-512 BF16, else float16, "
                                "for an fp32 model; fp32 in deterministic mode; the model's dtype otherwise), "
                                "float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, or int8 (a float16 scale per "
-                               "token and KV head). The pool holds more tokens by the ratio.",
+                               "token and KV head). The pool holds more tokens by the ratio. Default: "
+                               "$SERVELM_KV_CACHE_DTYPE, else auto.",
                                choices=["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8"])
     mem_fraction_static: float = _opt(0.85, "Fraction of free GPU memory after weights used for the KV pool.")
     chunked_prefill_size: int = _opt(512, "Token budget per scheduler step (prefill chunks + decodes).")

@@ -10,6 +10,10 @@ import torch
 import transformers
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# fp32 KV unless a test asks for another --kv-cache-dtype: the tests compare servelm's tokens with transformers'
+# fp32 ones, which a bf16 cache (the `auto` default on an fp32 model) would flip on near ties of the tiny random
+# models. Read by servelm.config at import, and inherited by the servers the tests start.
+os.environ.setdefault("SERVELM_KV_CACHE_DTYPE", "float32")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 ARCHS = {

@@ -156,3 +156,11 @@ def test_tp3_on_default_model_gives_tp1_text() -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         texts.append(proc.stdout)
     assert texts[0] == texts[1] and "Paris" in texts[0]
+
+
+@pytest.mark.parametrize(("kv", "tol"), [("bfloat16", 1e-3), ("int8", 5e-3)])
+def test_tp2_equals_tp1_with_a_kv_cache_dtype(kv: str, tol: float, tiny_models) -> None:
+    """Heads are sharded whole, and each is encoded on its own (int8: a scale per token and head): TP=2 gives
+    TP=1's tokens with the same KV dtype; logprobs within what a flipped rounding of a K/V value can move."""
+    base = _run(tiny_models["llama"], kv_cache_dtype=kv)
+    _assert_same(_run(tiny_models["llama"], tp_size=2, kv_cache_dtype=kv), base, tol)

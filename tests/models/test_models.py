@@ -53,7 +53,8 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path, default_tokenizer_di
 
 def test_bfloat16_runs_close_to_float32(tmp_path, default_tokenizer_dir) -> None:
     folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "qwen3", std=0.1)
-    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=256, dtype="bfloat16"))
+    runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=256, dtype="bfloat16",
+                                    kv_cache_dtype="auto"))  # auto: the model's bf16
     assert runner.dtype == torch.bfloat16 and runner.kv_cache.k.dtype == torch.bfloat16
     ids = torch.randint(0, runner.vocab_size, (30,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():

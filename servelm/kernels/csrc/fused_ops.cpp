@@ -7,6 +7,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -41,9 +45,10 @@ struct KvView {
   int type;
 };
 
-// A decode-attention call: q [B, H, D]; request b attends to the slots index[b, 0 .. lens[b]); its items
-// (b, hk) split into units of kAttnChunk keys: unit u belongs to item unit_item[u], item i's units are
-// item_first[i] .. item_first[i + 1] - 1, each writes partial[u] ([g][D + 2]); out [B, H * D].
+// A decode-attention call: q [B, H, D]; request b attends to the slots index[b, 0 .. lens[b]). Item i = (b, hk)
+// has chunks of kAttnChunk keys whose partials are partial[item_first[i] + c] ([g][D + 2] each); units (request,
+// chunk, heads_per_unit kv heads) compute them: unit u is request unit_req[u]'s (u - req_first[b])-th, chunk
+// major. out [B, H * D].
 struct DecodeWork {
   const float* q;
   KvView kv;
@@ -51,7 +56,9 @@ struct DecodeWork {
   const int64_t* lens;
   float scale;
   int64_t H, Hkv, D, L;
-  const int64_t* unit_item;
+  int64_t heads_per_unit;
+  const int64_t* unit_req;
+  const int64_t* req_first;
   const int64_t* item_first;
   float* partial;
   float* out;
@@ -78,7 +85,7 @@ namespace sse2 {
 
 #if defined(__x86_64__) || defined(_M_X64)
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,fma")
 namespace avx2 {
 #define SERVELM_W 8
 #include "fused_kernels.inc"
@@ -87,7 +94,7 @@ namespace avx2 {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f")
+#pragma GCC target("avx512f,f16c")
 namespace avx512 {
 #define SERVELM_W 16
 #include "fused_kernels.inc"
@@ -104,7 +111,7 @@ int64_t best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f")) return kAvx512;
-  if (__builtin_cpu_supports("avx2")) return kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kSse2;
 }
@@ -408,28 +415,37 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     keys += lp[b];
   }
   const int64_t items = B * Hkv, g = H / Hkv;
-  std::vector<int64_t> item_first(items + 1, 0);
-  for (int64_t i = 0; i < items; ++i) {
-    item_first[i + 1] = item_first[i] + (lp[i / Hkv] + kAttnChunk - 1) / kAttnChunk;
+  std::vector<int64_t> item_first(items + 1, 0), chunks(B);
+  for (int64_t b = 0; b < B; ++b) chunks[b] = (lp[b] + kAttnChunk - 1) / kAttnChunk;
+  for (int64_t i = 0; i < items; ++i) item_first[i + 1] = item_first[i] + chunks[i / Hkv];
+  // A unit takes all of a chunk's kv heads (their values are contiguous per token), unless that leaves fewer
+  // than two units a thread: then half as many, and so on. The bits are the same either way.
+  int64_t per = Hkv, total = 0;
+  const int64_t want = 2 * at::get_num_threads();
+  for (;;) {
+    total = 0;
+    for (int64_t b = 0; b < B; ++b) total += chunks[b] * (Hkv / per);
+    if (total >= want || per % 2 != 0) break;
+    per /= 2;
   }
-  const int64_t units = item_first[items];
-  std::vector<int64_t> unit_item(units);
-  for (int64_t i = 0; i < items; ++i) {
-    for (int64_t u = item_first[i]; u < item_first[i + 1]; ++u) unit_item[u] = i;
+  std::vector<int64_t> req_first(B + 1, 0), unit_req(total);
+  for (int64_t b = 0; b < B; ++b) {
+    req_first[b + 1] = req_first[b] + chunks[b] * (Hkv / per);
+    for (int64_t u = req_first[b]; u < req_first[b + 1]; ++u) unit_req[u] = b;
   }
-  std::vector<float> partial(units * g * (D + 2));
-  const DecodeWork w{q.data_ptr<float>(), kv, ip, lp, static_cast<float>(scale), H, Hkv, D, L, unit_item.data(),
-                     item_first.data(), partial.data(), out.data_ptr<float>()};
+  std::vector<float> partial(item_first[items] * g * (D + 2));
+  const DecodeWork w{q.data_ptr<float>(), kv, ip, lp, static_cast<float>(scale), H, Hkv, D, L, per,
+                     unit_req.data(), req_first.data(), item_first.data(), partial.data(), out.data_ptr<float>()};
   const Kernels& k = kernels();
-  // per unit ~2 * keys * g * D multiply-adds (keys: its share of the step's)
-  const int64_t per_unit = std::max<int64_t>(1, 2 * (keys * Hkv / units) * g * D);
-  at::parallel_for(0, units, grain(per_unit), [&](int64_t u0, int64_t u1) {
-    thread_local std::vector<float> scores, kbuf;
-    if (static_cast<int64_t>(scores.size()) < g * kAttnChunk) scores.resize(g * kAttnChunk);
-    if (static_cast<int64_t>(kbuf.size()) < kAttnChunk * D) kbuf.resize(kAttnChunk * D);
-    k.attend_units(w, u0, u1, scores.data(), kbuf.data());
+  // per unit ~2 * keys * g * D multiply-adds per head (keys: its share of the step's)
+  const int64_t per_unit = std::max<int64_t>(1, 2 * (keys / total) * per * g * D);
+  at::parallel_for(0, total, grain(per_unit), [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> scratch, kbuf;
+    if (static_cast<int64_t>(scratch.size()) < per * (g + 1) * kAttnChunk) scratch.resize(per * (g + 1) * kAttnChunk);
+    if (static_cast<int64_t>(kbuf.size()) < kAttnChunk * per * D) kbuf.resize(kAttnChunk * per * D);
+    k.attend_units(w, u0, u1, scratch.data(), kbuf.data());
   });
-  at::parallel_for(0, items, grain(units * g * D / items),
+  at::parallel_for(0, items, grain(item_first[items] * g * D / items),
                    [&](int64_t i0, int64_t i1) { k.merge_items(w, i0, i1); });
   return out;
 }
