@@ -89,6 +89,10 @@ class ServerArgs:
     mem_fraction_static: float = _opt(0.85, "Fraction of free GPU memory after weights used for the KV pool.")
     chunked_prefill_size: int = _opt(512, "Token budget per scheduler step (prefill chunks + decodes).")
     max_running_requests: int = _opt(64, "Most requests decoding at once.")
+    prefix_cache_dir: str | None = _opt(None, "Keep finished prefixes' KV in files under this folder too, and read "
+                                        "them back (also after a restart) instead of recomputing them (TP 1).")
+    prefix_cache_size_gb: float = _opt(8.0, "Most GB the --prefix-cache-dir files of one model may take; the "
+                                       "least recently used go first.")
     disable_radix_cache: bool = _opt(False, "Turn the radix prefix cache off.", aliases=("--no-enable-prefix-caching",),
                                      negations=("--enable-prefix-caching",))
     disable_fast_path: bool = _opt(False, "Eager PyTorch only: plain F.linear instead of oneDNN with pre-packed "
@@ -117,6 +121,11 @@ class ServerArgs:
             (self.max_total_tokens is None or self.max_total_tokens >= 1,
              f"--max-total-tokens must be >= 1, got {self.max_total_tokens}"),
             (self.cpu_kv_cache_gb > 0, f"--cpu-kv-cache-gb must be > 0, got {self.cpu_kv_cache_gb}"),
+            (self.prefix_cache_size_gb > 0, f"--prefix-cache-size-gb must be > 0, got {self.prefix_cache_size_gb}"),
+            (self.prefix_cache_dir is None or self.tp_size == 1,
+             f"--prefix-cache-dir needs --tp-size 1 (each rank would keep its own shard), got {self.tp_size}"),
+            (self.prefix_cache_dir is None or 256 % self.page_size == 0,
+             f"--prefix-cache-dir needs a --page-size that divides 256 (its block), got {self.page_size}"),
             (0 < self.mem_fraction_static < 1,
              f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
             (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),

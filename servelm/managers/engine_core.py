@@ -43,8 +43,14 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                           disable_radix_cache=server_args.disable_radix_cache,
                           random_seed=server_args.random_seed,
                           deterministic=server_args.enable_deterministic_inference)
+    disk = None
+    if server_args.prefix_cache_dir and not server_args.disable_radix_cache:
+        from servelm.mem_cache.disk_cache import DiskPrefixCache
+
+        disk = DiskPrefixCache(server_args.prefix_cache_dir, runner.model_path, runner.kv_cache,
+                               int(server_args.prefix_cache_size_gb * 1e9))
     return Scheduler(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info(),
-                     on_shutdown=lambda: _shutdown(runner, workers))
+                     on_shutdown=lambda: _shutdown(runner, workers), disk_cache=disk)
 
 
 def _shutdown(runner: Any, workers: Any) -> None:

@@ -108,11 +108,13 @@ class SchedulerConfig:
 class Scheduler:
     def __init__(self, runner: Runner, tokenizer: Any, config: SchedulerConfig, eos_token_ids: list[int],
                  vocab_size: int, model_info: dict[str, Any] | None = None,
-                 on_shutdown: Callable[[], None] | None = None) -> None:
+                 on_shutdown: Callable[[], None] | None = None, disk_cache: Any = None) -> None:
         """`on_shutdown` releases what was assembled around the scheduler (the model's other TP ranks);
         the scheduler itself owns no process (`managers/engine_core.py` builds both sides)."""
         self.runner = runner
         self.on_shutdown = on_shutdown
+        # The prefix cache's disk tier (mem_cache/disk_cache.DiskPrefixCache, --prefix-cache-dir) or None.
+        self.disk = disk_cache if not config.disable_radix_cache else None
         self.tokenizer = tokenizer
         self.config = config
         self.eos_token_ids = list(eos_token_ids)
@@ -128,7 +130,7 @@ class Scheduler:
         self._rng = random.Random(config.random_seed)
         self.grammars = GrammarFactory(tokenizer, vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
-                      "finished": 0, "aborted": 0}
+                      "finished": 0, "aborted": 0, "disk_cached_tokens": 0}
         self.last_step_tokens = 0  # tokens the last step ran (prefill chunks + decodes)
 
     # ------------------------------------------------------------ requests
@@ -266,6 +268,8 @@ class Scheduler:
         if req.prompt_positions_to_score:
             limit = min(limit, req.prompt_positions_to_score.start)
         match = self.cache.match_prefix(req.all_ids[:limit])
+        if self.disk is not None:
+            match = self._restore_from_disk(req.all_ids[:limit], match)
         slots = match.slots
         self.cache.inc_lock_ref(match.node)
         req.last_node = match.node
@@ -276,6 +280,35 @@ class Scheduler:
             req.cached_tokens = len(slots)
             self.stats["cached_tokens"] += len(slots)
             req.admitted = True
+
+    def _restore_from_disk(self, ids: list[int], match: Any) -> Any:
+        """When the disk holds a longer prefix of `ids` than the tree: read the rest of it into new pages and
+        insert it into the tree (the tree then owns those pages); the new match. On no room or a bad file:
+        the tree's match as it was."""
+        hit = self.disk.lookup(ids)
+        have = len(match.slots)
+        if hit is None or hit[1] <= have:
+            return match
+        path, end = hit
+        need = (end - have) // self.page_size
+        self.cache.inc_lock_ref(match.node)  # the matched prefix stays while room is made
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            self.cache.evict(need - self.allocator.num_free_pages)
+            pages = self.allocator.alloc(need)
+        self.cache.dec_lock_ref(match.node)
+        if pages is None:
+            return match
+        slots = slots_for(pages, self.page_size, 0, need * self.page_size)
+        if not self.disk.load(path, ids, have, end, slots):
+            self.allocator.free(pages)
+            return match
+        already = self.cache.insert(ids[:end], list(match.slots) + slots)
+        if already != have:  # nothing touched the tree in between, so this is a bug
+            raise RuntimeError(f"disk restore: the tree held {already} tokens, not the {have} matched")
+        self.stats["disk_cached_tokens"] += end - have
+        logger.info("Prefix cache: %d tokens read back from disk (%s)", end - have, path.name)
+        return self.cache.match_prefix(ids)
 
     # ------------------------------------------------------------ one step
     def step(self) -> list[TokenOut]:
@@ -453,6 +486,9 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> TokenOut:
         req.finish_reason = reason
+        if self.disk is not None and req.pages and reason.type != "abort":
+            n = req.num_computed
+            self.disk.save(req.all_ids[:n], slots_for(req.pages, self.page_size, 0, n))
         self._release(req)
         self.stats["aborted" if reason.type == "abort" else "finished"] += 1
         return self._make_out(req)
@@ -460,6 +496,8 @@ class Scheduler:
     # ------------------------------------------------------------ control
     def shutdown(self) -> None:
         """Release the model's other TP ranks (if any) and leave the process group."""
+        if self.disk is not None:
+            self.disk.flush()  # queued prefix files are written before the process goes
         if self.on_shutdown is not None:
             self.on_shutdown()
 
