@@ -229,8 +229,8 @@ class DiskPrefixCache:
                 continue
             try:
                 self._write(*item)
-            except OSError as exc:
-                logger.warning("Prefix cache: could not write a file (%s)", exc)
+            except Exception as exc:  # the writer must outlive any one file (a full disk, a bug)
+                logger.warning("Prefix cache: could not write a file (%s: %s)", type(exc).__name__, exc)
 
     def _write(self, ids: list[int], hashes: list[bytes], chunks: list[torch.Tensor]) -> None:
         payload = b"".join(c.contiguous().view(torch.uint8).numpy().tobytes() for c in chunks)
