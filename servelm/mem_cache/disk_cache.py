@@ -123,13 +123,17 @@ class DiskPrefixCache:
                 if self.index.get(h, (None,))[0] == path:
                     del self.index[h]
             # another file may hold the same prefixes: point them there
-            for other, hashes in self.files.items():
+            for other, hashes in list(self.files.items()):
                 for k, h in enumerate(hashes, start=1):
                     self.index.setdefault(h, (other, k * BLOCK))
 
+    def _snapshot(self) -> list[Path]:
+        with self._lock:  # the writer thread registers files while the scheduler may drop a bad one
+            return list(self.files)
+
     def _total_bytes(self) -> int:
         total = 0
-        for f in list(self.files):
+        for f in self._snapshot():
             try:
                 total += f.stat().st_size
             except FileNotFoundError:
@@ -249,7 +253,7 @@ class DiskPrefixCache:
         self._enforce_cap()
 
     def _enforce_cap(self) -> None:
-        files = sorted(self.files, key=lambda p: p.stat().st_mtime if p.exists() else 0)
+        files = sorted(self._snapshot(), key=lambda p: p.stat().st_mtime if p.exists() else 0)
         total = self._total_bytes()
         while total > self.max_bytes and len(files) > 1:
             victim = files.pop(0)

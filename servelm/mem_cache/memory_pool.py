@@ -112,11 +112,6 @@ class LayerKV:
     def _scales(scales: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor | None:
         return None if scales is None else scales.index_select(0, slots)
 
-    @property
-    def plain(self) -> bool:
-        """Whether the storage is the compute dtype itself (reads need no conversion)."""
-        return self.k.dtype == self.compute_dtype
-
 
 class KVCache:
     """Per-layer K and V storage indexed by token slot: [layers, slots, kv_heads, head_dim].
