@@ -9,7 +9,8 @@ quantised-weight kernels, `servelm.kernels.build`), every tensor is fp32 on CPU,
 (`--enable-deterministic-inference`) is off (that mode keeps its own batch-invariant torch code), and the
 fused ops are not switched off (`SERVELM_FUSED_OPS=0` at start-up, or `set_enabled(False)`); the KV cache may
 be in any `--kv-cache-dtype` (`kv_available`). Otherwise the
-layers run their torch code, which these ops match to ~1e-6 relative (no FMA; exp within ~2 ulp).
+layers run their torch code, which these ops match to ~1e-6 relative (no FMA, but in decode attention; exp
+within ~2 ulp).
 """
 
 from __future__ import annotations
