@@ -7,6 +7,7 @@ that tests can see the server while it is still starting.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -114,3 +115,10 @@ def start_server(args: list[str], log_path: Path, env: dict[str, str] | None = N
         server.stop(signal.SIGKILL)
         raise
     return server
+
+
+def sse_events(server: ServerProcess, path: str, body: dict, timeout: float = 60.0) -> list[dict]:
+    """POST `body` with stream=True to `path`; the JSON events of its server-sent stream ([DONE] left out)."""
+    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=timeout) as resp:
+        assert resp.status_code == 200
+        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]

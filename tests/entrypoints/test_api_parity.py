@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixtures import ServerProcess, start_server
+from tests.server_fixtures import ServerProcess, sse_events, start_server
 
 pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
 
@@ -47,12 +47,6 @@ def error(server: ServerProcess, path: str, body: dict) -> dict:
     r = post(server, path, body)
     assert r.status_code == 400, r.text
     return r.json()["error"]
-
-
-def sse_events(server: ServerProcess, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=60) as resp:
-        assert resp.status_code == 200
-        return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
 
 
 # ---------------------------------------------------------------- 1. constraints

@@ -16,7 +16,6 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -27,7 +26,7 @@ from servelm.config import ConfigError, ServerArgs
 from servelm.entrypoints import reasoning
 from servelm.entrypoints.reasoning import BUILTIN, ReasoningFormat, ReasoningStream, auto_format, resolve, split
 from tests.conftest import build_tiny_model
-from tests.server_fixtures import ServerProcess, start_server
+from tests.server_fixtures import ServerProcess, sse_events, start_server
 
 QWEN3, R1 = BUILTIN["qwen3"], BUILTIN["deepseek_r1"]
 
@@ -266,13 +265,8 @@ def test_responses_api_returns_a_reasoning_item(server: ServerProcess, client: o
     assert [item.type for item in r.output] == ["reasoning", "message"]
     assert r.output[0].content[0].text == THOUGHT and r.output_text == ANSWER
     assert r.usage.output_tokens_details.reasoning_tokens > 0
-    events = []
-    with httpx.stream("POST", f"{server.base_url}/v1/responses", timeout=60,
-                      json={"model": "thinker", "input": "2+2?", "temperature": 0, "max_output_tokens": 16,
-                            "stream": True}) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
+    events = sse_events(server, "/v1/responses", {"model": "thinker", "input": "2+2?", "temperature": 0,
+                                                  "max_output_tokens": 16})
     kinds = [e["type"] for e in events]
     assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == THOUGHT
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
@@ -285,13 +279,8 @@ def test_responses_api_returns_a_reasoning_item(server: ServerProcess, client: o
 
 @pytest.mark.slow  # starts a server
 def test_a_streamed_response_cut_off_while_thinking(server: ServerProcess) -> None:
-    events = []
-    with httpx.stream("POST", f"{server.base_url}/v1/responses", timeout=60,
-                      json={"model": "thinker", "input": "2+2?", "temperature": 0, "max_output_tokens": 2,
-                            "stream": True}) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[6:]))
+    events = sse_events(server, "/v1/responses", {"model": "thinker", "input": "2+2?", "temperature": 0,
+                                                  "max_output_tokens": 2})
     kinds = [e["type"] for e in events]
     assert kinds[-1] == "response.incomplete", kinds
     thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
