@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from servelm.mem_cache.memory_pool import KVCache, _raw
+from servelm.mem_cache.memory_pool import KVCache, raw_view
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class DiskPrefixCache:
     def _parts(self, layer: int) -> list[torch.Tensor]:
         """One layer's tensors in file order: K, V (and their scales), each [slots, ...]."""
         kv = self.kv.layer(layer)
-        parts = [_raw(kv.k), _raw(kv.v)]
+        parts = [raw_view(kv.k), raw_view(kv.v)]
         if kv.k_scale is not None:
             parts += [kv.k_scale, kv.v_scale]
         return parts

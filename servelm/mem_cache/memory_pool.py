@@ -59,13 +59,13 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Ten
     return x.to(dtype), None
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw_view(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as their bytes (torch's CPU index_copy_ has no float8 kernels); others as they are."""
     return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 def _select(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return _raw(t).index_select(0, index).view(t.dtype)
+    return raw_view(t).index_select(0, index).view(t.dtype)
 
 
 def decode(values: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -89,7 +89,7 @@ class LayerKV:
         """k, v [T, Hkv, D] into slots loc [T]."""
         for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             codes, scale = encode(x, store.dtype)
-            _raw(store).index_copy_(0, loc, _raw(codes))
+            raw_view(store).index_copy_(0, loc, raw_view(codes))
             if scales is not None:
                 scales.index_copy_(0, loc, scale)
 

@@ -32,6 +32,9 @@ namespace servelm_fused {
 // scale, int8 with a float16 scale per token and KV head.
 enum KvType : int { kKvF32 = 0, kKvBF16 = 1, kKvF16 = 2, kKvE4M3 = 3, kKvE5M2 = 4, kKvI8 = 5 };
 
+// Bytes per stored value of each KV type (the kernels' kv_size<KT>() too).
+constexpr int64_t kv_elem_size(int type) { return type == kKvF32 ? 4 : (type == kKvBF16 || type == kKvF16) ? 2 : 1; }
+
 // Keys per unit of decode attention (see fused_kernels.inc): a chunk's K (or V) decoded to fp32 is 32 KiB at
 // head_dim 64, inside L1/L2, and a 16k context gives 128 units per KV head to spread over the threads.
 constexpr int64_t kAttnChunk = 128;
@@ -285,8 +288,6 @@ KvView kv_view(const at::Tensor& k_cache, const at::Tensor& v_cache, const std::
   }
   return kv;
 }
-
-int64_t kv_elem_size(int type) { return type == kKvF32 ? 4 : (type == kKvBF16 || type == kKvF16) ? 2 : 1; }
 
 // The attention input of a layer from its fused projection qkv [T, (H + 2 Hkv) D] (rows may be strided): returns
 // q [T, H, D] rotated, and writes k rotated and v into k_cache, v_cache [slots, Hkv, D] at the slots
