@@ -2,9 +2,12 @@
 
 Why this shape: on CPU, `index_select` / `index_copy_` beat advanced indexing
 by far, and two small matmuls beat SDPA for a one-token decode query; so
-decode uses explicit matmuls and prefill uses SDPA. For fp32 on CPU, decode is
-one fused C++ op instead (`servelm.layers.fused.decode_attention`: the same
-stable softmax per request and KV head, over each request's own length).
+decode uses explicit matmuls and prefill uses SDPA. For fp32 on CPU both are
+fused C++ ops instead, which read the paged KV in its storage dtype:
+`fused.decode_attention` (flash-decoding: the context split in chunks across
+threads) and `fused.prefill_attention` (a blocked causal attention with an
+online softmax: no gathered fp32 copy of the context, no mask, no [q, k]
+matrix; about 2x SDPA's speed on 2 cores, docs/measurements/decode-attention.md).
 
 With `--enable-deterministic-inference` both prefill and decode go through
 one batch-invariant path instead (`BatchInvariantAttention`): SDPA and the
@@ -58,6 +61,11 @@ class PagedAttention(nn.Module):
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if fb.decode_tokens is not None:
             out.index_copy_(0, fb.decode_tokens, self._decode(q.index_select(0, fb.decode_tokens), kv, fb))
+        if fused.available(q, kernels=kernels_of(self)) and fused.kv_available(kv):  # one C++ op (fp32, CPU)
+            index, reqs = self._prefill_plan(fb)
+            if reqs.shape[0]:
+                fused.prefill_attention(q, kv, index, reqs, self.scale, out)
+            return out
         gqa = self.num_heads != self.num_kv_heads
         start = 0
         for n, seq_len, index in zip(fb.extend_lens, fb.seq_lens, fb.kv_indices):
@@ -78,6 +86,23 @@ class PagedAttention(nn.Module):
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
             out[start - n:start] = oi[0].transpose(0, 1).reshape(n, -1)
         return out
+
+    def _prefill_plan(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's extend requests (more than one new token) for `fused.prefill_attention`: their page
+        tables end to end, and a (q_start, n, seq_len, index offset) row each; once per forward."""
+        return fb.memo("prefill_attention", lambda: self._build_prefill_plan(fb))
+
+    @staticmethod
+    def _build_prefill_plan(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, tables, start, off = [], [], 0, 0
+        for n, seq_len, index in zip(fb.extend_lens, fb.seq_lens, fb.kv_indices):
+            if n > 1:  # one-token rows are in the batched decode
+                rows.append((start, n, seq_len, off))
+                tables.append(index[:seq_len])
+                off += seq_len
+            start += n
+        index = torch.cat(tables) if tables else torch.zeros(0, dtype=torch.long)
+        return index.to(torch.long).contiguous(), torch.tensor(rows, dtype=torch.long).view(-1, 4)
 
     def _decode(self, q: torch.Tensor, kv: LayerKV, fb: ForwardBatch) -> torch.Tensor:
         """q: [B, H, D] of the step's one-token requests (fb.decode_reqs) -> [B, H*D]."""

@@ -67,6 +67,28 @@ struct DecodeWork {
   float* out;
 };
 
+// A prefill-attention call (fused_kernels.inc, prefill_units): request r's n new queries are rows
+// q_start .. q_start + n of q [T, H, D], at positions seq_len - n .. seq_len - 1, and attend causally to the slots
+// index[index_off .. index_off + seq_len) (reqs[r] = {q_start, n, seq_len, index_off}). Unit u = (request
+// units[3u], kv head units[3u + 1], queries units[3u + 2] .. + qb): its qb * g query rows, padded to rows (a
+// multiple of W). out [T, H * D] (the covered rows).
+struct PrefillWork {
+  const float* q;
+  KvView kv;
+  const int64_t* index;
+  const int64_t* reqs;
+  float scale;
+  int64_t H, Hkv, D, qb, rows;
+  const int64_t* units;
+  float* out;
+};
+
+// A prefill unit's working floats (fused_kernels.inc, prefill_unit): queries and outputs [D][rows], one chunk's
+// scores [kAttnChunk][rows], the row statistics, the chunk's K and V [kAttnChunk][D], a zero row, the scales.
+constexpr int64_t prefill_buf_floats(int64_t D, int64_t rows) {
+  return 2 * D * rows + kAttnChunk * rows + 3 * rows + 2 * kAttnChunk * D + D + 2 * kAttnChunk;
+}
+
 // One ISA's kernels; each runs on a range of rows (tokens, or (request, kv head) items) so the ops can split it
 // across threads.
 struct Kernels {
@@ -78,6 +100,8 @@ struct Kernels {
   void (*attend_units)(const DecodeWork& w, int64_t u0, int64_t u1, float* scores, float* kbuf);
   void (*merge_items)(const DecodeWork& w, int64_t i0, int64_t i1);
   void (*encode_row)(int kt, const float* x, int64_t D, void* dst, uint16_t* scale);
+  void (*prefill_units)(const PrefillWork& w, int64_t u0, int64_t u1, float* buf);
+  int64_t width;  // W: floats per vector
 };
 
 namespace sse2 {
@@ -451,6 +475,77 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   return out;
 }
 
+// Prefill and extend attention over the paged KV, causal, read in its storage dtype (no fp32 copy of the cache,
+// no [queries, keys] matrix): q [T, H, D]; reqs [R, 4] int64 rows {q_start, n, seq_len, index_off}: request r's
+// n queries are rows q_start .. q_start + n of q, at positions seq_len - n .., and see the slots
+// index[index_off .. index_off + position]. Writes those rows of out [T, H * D] (others untouched).
+void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                       const at::Tensor& index, const at::Tensor& reqs, double scale, const at::Tensor& out) {
+  check_contig_f32(q, "q");
+  check_contig_f32(out, "out");
+  TORCH_CHECK(q.dim() == 3, "servelm_fused: q must be [T, H, D]");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == H * D, "servelm_fused: out must be [T, H * D]");
+  const KvView kv = kv_view(k_cache, v_cache, k_scale, v_scale, D);
+  const int64_t S = k_cache.size(0), Hkv = k_cache.size(1);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "servelm_fused: heads of q ", q.sizes(), " and the cache ", k_cache.sizes(),
+              " do not match");
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.is_contiguous() &&
+                  index.dim() == 1, "servelm_fused: index must be a contiguous int64 [N] CPU tensor");
+  TORCH_CHECK(reqs.device().is_cpu() && reqs.scalar_type() == at::kLong && reqs.is_contiguous() && reqs.dim() == 2 &&
+                  reqs.size(1) == 4, "servelm_fused: reqs must be a contiguous int64 [R, 4] CPU tensor");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const int64_t* rp = reqs.data_ptr<int64_t>();
+  const int64_t N = index.size(0), nreq = reqs.size(0), g = H / Hkv;
+  for (int64_t r = 0; r < nreq; ++r) {
+    const int64_t qs = rp[4 * r], n = rp[4 * r + 1], L = rp[4 * r + 2], off = rp[4 * r + 3];
+    TORCH_CHECK(n >= 1 && qs >= 0 && qs + n <= T && L >= n && off >= 0 && off + L <= N, "servelm_fused: request ",
+                r, " {", qs, ", ", n, ", ", L, ", ", off, "} does not fit q's ", T, " rows and the index's ", N);
+    for (int64_t l = 0; l < L; ++l) {
+      TORCH_CHECK(ip[off + l] >= 0 && ip[off + l] < S, "servelm_fused: cache slot ", ip[off + l], " outside [0, ", S,
+                  ")");
+    }
+  }
+  if (H == 0 || nreq == 0) return;
+  const Kernels& k = kernels();
+  // rows: 2 * W query rows (two vectors of the score and output tiles), or one query's g when more
+  const int64_t W = k.width, qb = std::max<int64_t>(1, 2 * W / g), rows = (qb * g + W - 1) / W * W;
+  std::vector<int64_t> units;
+  std::vector<double> cost{0.0};  // running sum of each unit's rows * keys
+  for (int64_t r = 0; r < nreq; ++r) {
+    const int64_t n = rp[4 * r + 1], prefix = rp[4 * r + 2] - n;
+    for (int64_t i0 = 0; i0 < n; i0 += qb) {
+      for (int64_t hk = 0; hk < Hkv; ++hk) {
+        units.insert(units.end(), {r, hk, i0});
+        cost.push_back(cost.back() + static_cast<double>(rows) * (prefix + std::min(n, i0 + qb)));
+      }
+    }
+  }
+  const int64_t U = static_cast<int64_t>(units.size()) / 3;
+  const PrefillWork w{q.data_ptr<float>(), kv, ip, rp, static_cast<float>(scale), H, Hkv, D, qb, rows,
+                      units.data(), out.data_ptr<float>()};
+  // Threads take runs of units of equal cost (a causal prompt's later queries see more keys).
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), U));
+  const double total = cost.back();
+  const auto run = [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> buf;
+    const int64_t need = prefill_buf_floats(D, rows);
+    if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
+    for (int64_t t = t0; t < t1; ++t) {
+      const auto first = [&](int64_t part) {
+        return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end() - 1, total * part / nt) - cost.begin());
+      };
+      k.prefill_units(w, first(t), t + 1 == nt ? U : first(t + 1), buf.data());
+    }
+  };
+  if (total * D < kGrainElems * 4) {  // ~2 * total * D multiply-adds: too few to share
+    run(0, nt);
+  } else {
+    at::parallel_for(0, nt, 1, run);
+  }
+}
+
 // One decoder layer's decode step (Llama family, fp32 activations, quantised weights, one rank) in one call:
 // what LlamaDecoderLayer.forward runs as ~10 torch ops and ~40 Python frames, here without the dispatcher.
 //   hidden, residual = add_rms_norm(hidden, residual) (rms_norm(hidden), hidden for the first layer)
@@ -524,6 +619,8 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
           "Tensor kv_index, Tensor lens, float scale) -> Tensor", &servelm_fused::decode_attention);
+  lib.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
+          "Tensor index, Tensor reqs, float scale, Tensor(a!) out) -> ()", &servelm_fused::prefill_attention);
   lib.def("decode_layer(Tensor hidden, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, "
           "Tensor?[] weights, int[] fmts, int[] parts, Tensor?[] biases, Tensor positions, Tensor cos, Tensor sin, "
           "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, Tensor out_cache_loc, "

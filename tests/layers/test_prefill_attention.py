@@ -1,0 +1,194 @@
+"""servelm_fused.prefill_attention: the blocked causal attention of prefill and extend steps over the paged KV,
+read in its storage dtype (online softmax over fixed 128-key chunks, no [q, k] matrix):
+
+* every ISA and KV dtype against float64 attention over the decoded K/V, prompts and extends across chunk
+  boundaries, several requests in one call, head groups of 1 to 7 and head sizes 40 to 128;
+* long contexts (20k keys) against SDPA;
+* a row's bits depend neither on the threads, nor on the other requests, nor on how its prompt was chunked;
+* through PagedAttention in mixed steps against the layer's torch path (SDPA);
+* bad inputs are refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelm.layers import fused
+from servelm.layers.attention import PagedAttention
+from servelm.mem_cache import memory_pool as mp
+from servelm.mem_cache.memory_pool import KVCache
+from servelm.model_executor.forward_batch import ForwardBatch
+
+pytestmark = pytest.mark.skipif(not fused.loaded(), reason="the C++ kernels cannot be built here")
+
+ISAS = list(range(torch.ops.servelm_fused.best_isa() + 1)) if fused.loaded() else []
+STORED = [d for d in mp.KV_CACHE_DTYPES if d != "auto"]
+CHUNK = 128  # kAttnChunk in fused_ops.cpp
+
+
+@pytest.fixture(params=ISAS, ids=lambda i: ("sse2", "avx2", "avx512")[i])
+def isa(request):
+    assert torch.ops.servelm_fused.set_isa(request.param) == request.param
+    yield request.param
+    torch.ops.servelm_fused.set_isa(-1)
+
+
+def _case(name: str, reqs: list[tuple[int, int]], hkv: int, group: int, D: int, seed: int):
+    """A cache of `name` with random K/V; request r has seq_len reqs[r][0] keys (random slots), of which the
+    last reqs[r][1] are its new queries. Returns (kv, slot lists, q [T, H, D], index, reqs tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    total = sum(L for L, _ in reqs) + 8
+    cache = KVCache(1, total, hkv, D, torch.float32, torch.device("cpu"), name)
+    kv = cache.layer(0)
+    kv.write(torch.arange(total), torch.randn(total, hkv, D, generator=g), torch.randn(total, hkv, D, generator=g))
+    perm = torch.randperm(total, generator=g)
+    slots, rows, start, qs = [], [], 0, 0
+    for L, n in reqs:
+        slots.append(perm[start:start + L])
+        rows.append((qs, n, L, start))
+        start += L
+        qs += n
+    q = torch.randn(qs, hkv * group, D, generator=g)
+    return kv, slots, q, torch.cat(slots), torch.tensor(rows, dtype=torch.long).view(-1, 4)
+
+
+def _run(q: torch.Tensor, kv: mp.LayerKV, index: torch.Tensor, reqs: torch.Tensor) -> torch.Tensor:
+    out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"))
+    fused.prefill_attention(q, kv, index, reqs, q.shape[-1] ** -0.5, out)
+    return out
+
+
+def _reference(kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], reqs: torch.Tensor,
+               group: int) -> torch.Tensor:
+    """float64 causal attention of each request's queries over its decoded K/V."""
+    outs = []
+    for s, (qs, n, L, _) in zip(slots, reqs.tolist()):
+        keys, values = (t.double().repeat_interleave(group, dim=1) for t in kv.gather(s))  # [L, H, D]
+        scores = torch.einsum("ihd,lhd->hil", q[qs:qs + n].double(), keys) * q.shape[-1] ** -0.5
+        visible = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]  # [n, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hil,lhd->ihd", scores.softmax(-1), values).reshape(n, -1))
+    return torch.cat(outs).float()
+
+
+# (seq_len, new tokens): whole prompts and extends after a cached prefix, on and across chunk boundaries
+REQS = [(2, 2), (5, 3), (CHUNK - 1, CHUNK - 1), (CHUNK + 1, CHUNK + 1), (300, 40), (2 * CHUNK + 3, 1),
+        (CHUNK + 7, 9)]
+
+
+@pytest.mark.parametrize("name", STORED)
+@pytest.mark.parametrize(("group", "D"), [(1, 64), (4, 64), (3, 128), (7, 64), (2, 40)])
+def test_prefill_attention_reads_every_dtype(isa: int, name: str, group: int, D: int) -> None:
+    kv, slots, q, index, reqs = _case(name, REQS, 2, group, D, seed=group * D)
+    out = _run(q, kv, index, reqs)
+    torch.testing.assert_close(out, _reference(kv, q, slots, reqs, group), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_writes_only_its_rows() -> None:
+    kv, slots, q, index, reqs = _case("bfloat16", [(40, 10), (20, 5)], 1, 3, 64, seed=2)
+    reqs = reqs[1:]  # only the second request: rows 10 .. 14
+    out = _run(q, kv, index, reqs)
+    assert torch.isnan(out[:10]).all() and torch.isfinite(out[10:]).all()
+    torch.testing.assert_close(out[10:], _reference(kv, q, slots[1:], reqs, 3)[-5:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
+def test_prefill_attention_long_contexts(name: str) -> None:
+    """The last 64 queries of a 20k-token prompt and a whole 1k prompt, against SDPA over the decoded K/V."""
+    reqs_list = [(20000, 64), (1000, 1000)]
+    kv, slots, q, index, reqs = _case(name, reqs_list, 2, 4, 64, seed=5)
+    out = _run(q, kv, index, reqs)
+    for s, (qs, n, L, _) in zip(slots, reqs.tolist()):
+        keys, values = kv.gather(s)
+        mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        ref = F.scaled_dot_product_attention(q[qs:qs + n].transpose(0, 1).unsqueeze(0),
+                                             keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+                                             attn_mask=mask, scale=0.125, enable_gqa=True)
+        torch.testing.assert_close(out[qs:qs + n], ref[0].transpose(0, 1).reshape(n, -1), rtol=2e-5, atol=2e-5)
+
+
+def test_prefill_attention_large_scores_stay_finite() -> None:
+    kv, slots, q, index, reqs = _case("float32", [(700, 700)], 2, 4, 64, seed=8)
+    q = q * 30  # scores of std ~30: an unstabilised softmax overflows
+    out = _run(q, kv, index, reqs)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, _reference(kv, q, slots, reqs, 4), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_attention_bits_ignore_threads_batch_and_chunking() -> None:
+    """A row's bits are the same on 1 or 2 threads, next to other requests or alone, and whether its prompt
+    was prefilled at once or in chunks (the chunks' earlier tokens then being a cached prefix)."""
+    L = 650
+    kv, slots, q, index, reqs = _case("bfloat16", [(L, L), (300, 77), (129, 129)], 2, 4, 64, seed=9)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(q, kv, index, reqs)
+        torch.set_num_threads(2)
+        two = _run(q, kv, index, reqs)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    alone = _run(q[:L], kv, index[:L], reqs[:1])
+    assert torch.equal(alone, two[:L])
+    for step in (1, 100, 333):  # request 0 as chunked prefill: queries a .. b over keys 0 .. b - 1
+        parts = []
+        for a in range(0, L, step):
+            b = min(L, a + step)
+            part = torch.tensor([[0, b - a, b, 0]], dtype=torch.long)
+            parts.append(_run(q[a:b].contiguous(), kv, index[:b], part))
+        assert torch.equal(torch.cat(parts), two[:L])
+
+
+def _forward(attn: PagedAttention, cache: KVCache, q: torch.Tensor, extend_lens: list[int],
+             slots: list[list[int]]) -> torch.Tensor:
+    pos, out_loc = [], []
+    for n, s in zip(extend_lens, slots):
+        pos += list(range(len(s) - n, len(s)))
+        out_loc += s[len(s) - n:]
+    fb = ForwardBatch.build([0] * len(pos), pos, out_loc, extend_lens, slots, [len(pos) - 1], torch.device("cpu"))
+    fb.kv_cache = cache
+    k, v = cache.layer(attn.layer_id).gather(fb.out_cache_loc)  # decoded: they encode to the same bits
+    return attn(q, k, v, fb)
+
+
+@pytest.mark.parametrize("name", ["float32", "int8"])
+def test_paged_attention_prefill_goes_fused(name: str) -> None:
+    """Mixed steps (prompts, extends after a prefix, decodes) through the layer: the same as its torch path."""
+    extend = [1, 200, 1, 5, 130, 1]
+    lens = [40, 200, 3, 20, 300, 130]
+    g = torch.Generator().manual_seed(4)
+    cache = KVCache(1, 1024, 3, 64, torch.float32, torch.device("cpu"), name)
+    cache.layer(0).write(torch.arange(1024), torch.randn(1024, 3, 64, generator=g),
+                         torch.randn(1024, 3, 64, generator=g))
+    perm = torch.randperm(1024, generator=g).tolist()
+    slots, start = [], 0
+    for n in lens:
+        slots.append(perm[start:start + n])
+        start += n
+    q = torch.randn(sum(extend), 9, 64, generator=g)
+    attn = PagedAttention(9, 3, 64, layer_id=0)
+    out = _forward(attn, cache, q, extend, slots)
+    previous = fused.set_enabled(False)
+    try:
+        ref = _forward(attn, cache, q, extend, slots)
+    finally:
+        fused.set_enabled(previous)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_checks_its_inputs() -> None:
+    kv, slots, q, index, reqs = _case("float32", [(10, 4)], 1, 2, 64, seed=3)
+    out = torch.empty(4, 128)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        fused.prefill_attention(q, kv, index, torch.tensor([[0, 5, 10, 0]]), 0.125, out)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        fused.prefill_attention(q, kv, index[:9], reqs, 0.125, out)
+    with pytest.raises(RuntimeError, match="outside"):
+        fused.prefill_attention(q, kv, index + 100, reqs, 0.125, out)
+    with pytest.raises(RuntimeError, match="out must be"):
+        fused.prefill_attention(q, kv, index, reqs, 0.125, torch.empty(4, 64))
+    with pytest.raises(RuntimeError, match="float32"):
+        fused.prefill_attention(q.double(), kv, index, reqs, 0.125, out)
