@@ -197,16 +197,23 @@ def token_ids_error(ids: Sequence[int], vocab_size: int, what: str = "prompt") -
 
 
 def context_length_error(prompt_len: int, max_new_tokens: int | None, context_length: int,
-                         prompt: str = "prompt", limit: str = "max_tokens") -> str | None:
+                         prompt: str = "prompt", limit: str = "max_tokens",
+                         model_context: int | None = None) -> str | None:
     """Why a prompt of `prompt_len` tokens (plus `max_new_tokens`, when known) does not fit the model's
     context, or None. `prompt` and `limit` name the request's fields in the message. SGLang's sentence comes
-    first (clients match on it), then OpenAI's."""
+    first (clients match on it), then OpenAI's. `model_context`: the model's own context length when
+    `context_length` is less because the KV pool holds fewer tokens; the message then names both sizes."""
     if not context_length:
         return None
     if prompt_len >= context_length:
+        pool = ""
+        if model_context and model_context > context_length:
+            pool = (f" The KV cache pool holds {context_length} tokens, fewer than the model's context length of "
+                    f"{model_context}: a larger --cpu-kv-cache-gb, --max-total-tokens or --kv-cache-dtype with "
+                    "fewer bytes makes room.")
         return (f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} "
                 f"tokens). This model's maximum context length is {context_length} tokens. However, the {prompt} "
-                f"has {prompt_len} tokens. Please reduce the length of the {prompt}.")
+                f"has {prompt_len} tokens. Please reduce the length of the {prompt}.{pool}")
     if max_new_tokens is not None and prompt_len + max_new_tokens > context_length:
         total = prompt_len + max_new_tokens
         return (f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "

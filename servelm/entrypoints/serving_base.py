@@ -215,7 +215,7 @@ class OpenAIServing:
                       limit_param: str) -> None:
         """A 400 when the prompt (with max_new_tokens, when known) does not fit the model's context."""
         error = context_length_error(prompt_len, max_new_tokens, self.manager.context_length, prompt_param,
-                                     limit_param)
+                                     limit_param, self.manager.model_info.get("model_context_length"))
         if error:
             too_long = max_new_tokens is None or prompt_len >= self.manager.context_length
             raise bad(error, prompt_param if too_long else limit_param)

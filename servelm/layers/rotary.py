@@ -37,6 +37,8 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"Unsupported rope type '{rope_type}'. Supported: default, "
                                  f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+        if params.get("freq_factors"):  # a GGUF's rope_freqs divisors (model_loader.gguf), as llama.cpp applies them
+            inv_freq = inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float)
         # Same fp32 product as the reference: position * inv_freq, then cos/sin.
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :].float()
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)  # [P, D/2]

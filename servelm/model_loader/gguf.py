@@ -119,10 +119,43 @@ def _rope_parameters(reader: GGUFReader, arch: str, tensor_names: set[str]) -> d
     elif scaling not in (None, "none", "linear", "yarn"):
         raise ModelSourceError(f"Unsupported GGUF rope scaling type {scaling!r} ({arch}.rope.scaling.type).")
     if "rope_freqs.weight" in tensor_names:
-        # NOTE: Llama-3.1-style checkpoints store per-frequency factors in a tensor instead of metadata;
-        # the llama3 scaling parameters cannot be recovered from it exactly.
-        logger.warning("GGUF has a rope_freqs tensor (llama3 rope scaling); it is ignored, long contexts may degrade")
+        # Llama 3.1+ files keep their llama3 rope scaling as per-frequency divisors (llama.cpp's converter
+        # writes 1 / the smoothed factor per frequency, and no scaling metadata).
+        head_dim = _scalar(reader, f"{arch}.rope.dimension_count")
+        tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        factors = np.asarray(tensor.data, dtype=np.float32).reshape(-1)
+        params.update(_llama3_from_freq_factors(factors, theta, int(head_dim or 2 * factors.size)))
     return params
+
+
+# (low_freq_factor, high_freq_factor, original_max_position_embeddings) of the llama3 scalings in use
+# (Llama 3.1 and 3.2: 1, 4, 8192), tried in order to name a rope_freqs tensor's scaling.
+_LLAMA3_CANDIDATES = [(1.0, 4.0, 8192), (1.0, 4.0, 4096), (1.0, 4.0, 16384), (1.0, 2.0, 8192), (2.0, 4.0, 8192)]
+
+
+def llama3_freq_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                        original: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py rope_freqs for a llama3 scaling: the divisor of each frequency."""
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    out = np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor,
+                                                             1 / ((1 - smooth) / factor + smooth)))
+    return out.astype(np.float32)
+
+
+def _llama3_from_freq_factors(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """transformers' llama3 rope parameters that give `factors`, or else the divisors themselves
+    (`freq_factors`, which servelm's RotaryEmbedding applies as llama.cpp does)."""
+    factor = float(factors.max())
+    if factors.size * 2 == head_dim and factor >= 1.0:
+        for low, high, original in _LLAMA3_CANDIDATES:
+            if np.allclose(llama3_freq_factors(theta, head_dim, factor, low, high, original), factors, rtol=1e-5):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                        "original_max_position_embeddings": original}
+    logger.info("GGUF rope_freqs is no llama3 scaling servelm knows by its parameters; its %d divisors are "
+                "applied as they are", factors.size)
+    return {"freq_factors": [float(f) for f in factors]}
 
 
 def gguf_config(reader: GGUFReader, path: str = "") -> transformers.PretrainedConfig:

@@ -316,6 +316,15 @@ def test_models_hide_the_path_and_report_the_context_length(server: ServerProces
     assert httpx.get(f"{server.base_url}/server_info").json()["context_length"] == 768
 
 
+def test_a_prompt_longer_than_the_kv_pool_names_both_sizes(server: ServerProcess) -> None:
+    """--context-length 768 over a KV pool of 512 tokens: a 600-token prompt fits the one, not the other."""
+    err = error(server, CMPL, {"prompt": [5] * 600, "max_tokens": 2})
+    assert err["param"] == "prompt"
+    assert "The input (600 tokens) is longer than the model's context length (512 tokens)" in err["message"]
+    assert "The KV cache pool holds 512 tokens, fewer than the model's context length of 768" in err["message"]
+    assert post(server, CMPL, {"prompt": "hi", "max_tokens": 2}).status_code == 200  # still serving
+
+
 # ---------------------------------------------------------------- 8. beam search
 def test_beam_search_is_refused_not_ignored(server: ServerProcess) -> None:
     for path, base in ((CHAT, {"messages": MESSAGES}), (CMPL, {"prompt": "hi"})):

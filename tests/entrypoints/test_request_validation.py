@@ -78,6 +78,12 @@ def test_one_home_for_prompt_checks() -> None:
     assert context_length_error(16, None, 16) == (
         "The input (16 tokens) is longer than the model's context length (16 tokens). This model's maximum context "
         "length is 16 tokens. However, the prompt has 16 tokens. Please reduce the length of the prompt.")
+    # a KV pool smaller than the model's context: both sizes named, and what makes room
+    assert context_length_error(20, None, 16, model_context=8192).endswith(
+        "Please reduce the length of the prompt. The KV cache pool holds 16 tokens, fewer than the model's context "
+        "length of 8192: a larger --cpu-kv-cache-gb, --max-total-tokens or --kv-cache-dtype with fewer bytes "
+        "makes room.")
+    assert "pool" not in context_length_error(20, None, 16, model_context=16)
     assert context_length_error(10, 7, 16, "messages", "max_completion_tokens") == (
         "Requested token count exceeds the model's maximum context length of 16 tokens. You requested a total of 17 "
         "tokens: 10 tokens from the input messages and 7 tokens for the completion. Please reduce the number of "

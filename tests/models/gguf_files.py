@@ -117,6 +117,15 @@ def write_gguf(
         w.add_rope_scaling_type(gguf.RopeScalingType(kind))
         w.add_rope_scaling_factor(factor)
         w.add_rope_scaling_orig_ctx_len(original)
+    rope = cfg.rope_parameters or {}
+    if rope.get("rope_type") == "llama3":  # llama.cpp's converter: per-frequency divisors, no scaling metadata
+        from servelm.model_loader.gguf import llama3_freq_factors
+
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(head_dim)
+        w.add_tensor("rope_freqs.weight", llama3_freq_factors(
+            rope["rope_theta"], head_dim, rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]))
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_id)
     for name, tensor in model.state_dict().items():

@@ -51,6 +51,31 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path, default_tokenizer_di
     assert (_run(runner, ids, 0, 200, 0) - expected).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("original", [8192, 64], ids=["llama-3.2", "unnamed"])
+def test_llama3_rope_freqs_of_a_gguf_match_transformers(original: int, tmp_path, default_tokenizer_dir) -> None:
+    """A Llama 3.1+ GGUF keeps its llama3 scaling as the rope_freqs tensor (llama.cpp's converter): servelm
+    names the scaling when it is a known one (Llama 3.2's), else applies the divisors as llama.cpp does; both
+    give transformers' llama3 logits."""
+    from tests.models.gguf_files import write_gguf
+
+    rope = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": original, "rope_theta": 500000.0}
+    folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "llama", std=0.1, rope_parameters=rope,
+                                   head_dim=64, max_position_embeddings=1024)
+    write_gguf(tmp_path / "m.gguf", "llama", ref)
+    runner = ModelRunner(ServerArgs(model_path=str(tmp_path / "m.gguf"), tokenizer_path=str(folder),
+                                    max_total_tokens=512))
+    params = runner.config.rope_parameters
+    if original == 8192:
+        assert {k: params[k] for k in rope} == rope
+    else:
+        assert params["rope_type"] == "default" and len(params["freq_factors"]) == 32
+    ids = torch.randint(0, runner.vocab_size, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0]
+    assert (_run(runner, ids, 0, 300, 0) - expected).abs().max().item() < 1e-4
+
+
 def test_bfloat16_runs_close_to_float32(tmp_path, default_tokenizer_dir) -> None:
     folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "qwen3", std=0.1)
     runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=256, dtype="bfloat16",
