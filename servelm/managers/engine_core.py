@@ -40,6 +40,7 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                           chunked_prefill_size=server_args.chunked_prefill_size,
                           max_running_requests=server_args.max_running_requests,
                           max_context_len=runner.max_context_len,
+                          model_context_len=runner.model_context_len,
                           disable_radix_cache=server_args.disable_radix_cache,
                           random_seed=server_args.random_seed,
                           deterministic=server_args.enable_deterministic_inference)

@@ -100,6 +100,7 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512
     max_running_requests: int = 64
     max_context_len: int = 4096
+    model_context_len: int | None = None  # the model's own, when the KV pool makes max_context_len less
     disable_radix_cache: bool = False
     random_seed: int = 0
     deterministic: bool = False
@@ -141,7 +142,7 @@ class Scheduler:
         # The API checks the same first (as 400s); this is the safety net for the Engine and other callers.
         error = token_ids_error(req.input_ids, self.vocab_size) or context_length_error(
             len(req.input_ids), params.max_new_tokens, self.max_context_len, limit="max_new_tokens",
-            model_context=self.config.max_context_len)
+            model_context=self.config.model_context_len)
         if error:
             raise ValueError(error)
         if params.seed is not None:
@@ -533,5 +534,5 @@ class Scheduler:
     def model_info(self) -> dict[str, Any]:
         return {**self._model_info, "max_context_length": self.max_context_len, "vocab_size": self.vocab_size,
                 "kv_capacity_tokens": self.allocator.num_pages * self.page_size,
-                "model_context_length": self.config.max_context_len,
+                "model_context_length": self.config.model_context_len or self.config.max_context_len,
                 "eos_token_ids": self.eos_token_ids}

@@ -128,6 +128,7 @@ class ModelRunner:
         self.kv_cache = KVCache(config.num_hidden_layers, self.num_pages * page, attn.num_kv_heads,
                                 head_dim_of(config), self.dtype, self.device, kv_dtype)
         self.max_context_len = min(max_positions, self.num_pages * page)
+        self.model_context_len = max_positions  # before the KV pool's limit
         self.load_seconds = time.perf_counter() - t0
         tp_note = f", TP rank {tp_rank}/{self.tp_size}" if self.tp_size > 1 else ""
         logger.info("Loaded %s (%s, %s, %s%s) in %.1f s; KV cache %d tokens (%.2f GiB, %s)", self.model_path,
