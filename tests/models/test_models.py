@@ -39,12 +39,16 @@ def test_logits_match_transformers(arch: str, fast: bool, tmp_path, default_toke
     assert (stepped - expected).abs().max().item() < 1e-4
 
 
-def test_llama3_rope_scaling_matches_transformers(tmp_path, default_tokenizer_dir) -> None:
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64, "rope_theta": 500000.0}
-    folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, "llama", std=0.1, rope_parameters=rope)
+@pytest.mark.parametrize(("arch", "rope"), [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 500000.0}),
+    ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 1000000.0}),  # Qwen2.5's long-context setting; its attention factor scales cos/sin
+], ids=["llama3", "yarn"])
+def test_rope_scaling_matches_transformers(arch: str, rope: dict, tmp_path, default_tokenizer_dir) -> None:
+    folder, ref = build_tiny_model(tmp_path / "m", default_tokenizer_dir, arch, std=0.1, rope_parameters=rope)
     runner = ModelRunner(ServerArgs(model_path=str(folder), max_total_tokens=512))
-    assert runner.config.rope_parameters["rope_type"] == "llama3"
+    assert runner.config.rope_parameters["rope_type"] == rope["rope_type"]
     ids = torch.randint(0, runner.vocab_size, (200,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
         expected = ref(torch.tensor([ids])).logits[0]
