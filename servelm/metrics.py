@@ -31,6 +31,10 @@ disable_created_metrics()
 
 # vLLM's buckets of iteration_tokens_total (its CUDA-graph batch sizes and up).
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's 1-2-5 buckets of per-request token counts (it stops them at max_model_len; these go on, fixed, since
+# the registry exists before the model is loaded).
+_TOKEN_COUNT_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+_N_BUCKETS = (1, 2, 5, 10, 20)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0, 640.0)
 
@@ -54,6 +58,9 @@ class ServerMetrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"{PREFIX}:{name}", doc, labels, registry=self.registry)
 
+        def tokens_hist(name: str, doc: str, buckets: tuple[float, ...] = _TOKEN_COUNT_BUCKETS) -> Histogram:
+            return hist(name, doc, buckets)
+
         self.ttft = hist("time_to_first_token_seconds", "Time from request arrival to its first output token.")
         self.itl = hist("inter_token_latency_seconds", "Time between two consecutive output tokens.")
         self.e2e = hist("e2e_request_latency_seconds", "Time from request arrival to its last output token.")
@@ -73,8 +80,9 @@ class ServerMetrics:
         # vLLM's families (same names under our prefix).
         self.kv_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent (prefix-cached "
                                    "tokens are evictable and count as free).")
-        self.iteration_tokens = hist("iteration_tokens_total", "Tokens per scheduler step (prefill + decode).",
-                                     _STEP_TOKEN_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total", "Tokens per scheduler step, as vLLM counts them: the "
+                                     "whole prompt (cached or not) of each request whose prefill ends in the step, "
+                                     "plus the tokens it generates.", _STEP_TOKEN_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Per request: decode time / (output tokens - 1).")
         self.queue_time = hist("request_queue_time_seconds", "Time a request waited in the scheduler's queue.")
         self.prefill_time = hist("request_prefill_time_seconds", "Time from a request's admission to its first "
@@ -82,6 +90,26 @@ class ServerMetrics:
         self.decode_time = hist("request_decode_time_seconds", "Time from a request's first to its last token.")
         self.preemptions = counter("num_preemptions", "Requests retracted (preempted) because the KV cache was "
                                    "full.")
+        # vLLM's per-request families.
+        self.request_success = counter("request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.request_prompt_tokens = tokens_hist("request_prompt_tokens", "Prompt tokens of each finished request.")
+        self.request_generation_tokens = tokens_hist("request_generation_tokens",
+                                                     "Generated tokens of each finished request.")
+        self.request_params_n = tokens_hist("request_params_n", "The n (choices) of each finished API request.",
+                                            _N_BUCKETS)
+        self.request_params_max_tokens = tokens_hist("request_params_max_tokens",
+                                                     "The max_tokens of each finished request.")
+        self.inference_time = hist("request_inference_time_seconds", "Time a request spent running: prefill and "
+                                   "decode (its queue time left out).")
+        # Prefix cache, in tokens: each finished request's prompt is a query, its cached tokens the hits. vLLM 0.x
+        # named them gpu_prefix_cache_*, and its KV usage gpu_cache_usage_perc: both names are exported.
+        self.prefix_queries = [counter(n, "Prompt tokens looked up in the prefix cache.")
+                               for n in ("prefix_cache_queries", "gpu_prefix_cache_queries")]
+        self.prefix_hits = [counter(n, "Prompt tokens found in the prefix cache.")
+                            for n in ("prefix_cache_hits", "gpu_prefix_cache_hits")]
+        self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV cache usage (vLLM 0.x's name of "
+                                     "kv_cache_usage_perc; the cache is in RAM on a CPU).")
+        self._cache_config_registered = False
 
     # The label is fixed per server; binding it once keeps call sites short.
     def observe_first_token(self, seconds: float) -> None:
@@ -99,7 +127,7 @@ class ServerMetrics:
             self.generation_tokens.labels(self.model_name).inc(num_tokens)
 
     def observe_finished(self, finish_type: str, e2e_seconds: float, prompt_tokens: int,
-                         cached_tokens: int) -> None:
+                         cached_tokens: int, completion_tokens: int = 0, max_tokens: int | None = None) -> None:
         m = self.model_name
         self.e2e.labels(m).observe(e2e_seconds)
         self.prompt_tokens.labels(m).inc(prompt_tokens)
@@ -107,6 +135,28 @@ class ServerMetrics:
         self.requests.labels(m, finish_type).inc()
         if finish_type == "abort":
             self.aborted.labels(m).inc()
+        self.request_success.labels(m, finish_type).inc()
+        self.request_prompt_tokens.labels(m).observe(prompt_tokens)
+        self.request_generation_tokens.labels(m).observe(completion_tokens)
+        if max_tokens is not None:
+            self.request_params_max_tokens.labels(m).observe(max_tokens)
+        for queries, hits in zip(self.prefix_queries, self.prefix_hits, strict=True):
+            queries.labels(m).inc(prompt_tokens)
+            hits.labels(m).inc(cached_tokens)
+
+    def observe_request_n(self, n: int) -> None:
+        """An API request's n (its choices), once all of them finished."""
+        self.request_params_n.labels(self.model_name).observe(n)
+
+    def set_cache_config(self, labels: dict[str, Any]) -> None:
+        """vLLM's cache_config_info: one sample of value 1 whose labels are the KV cache's configuration."""
+        if self._cache_config_registered:
+            return
+        names = sorted(labels)
+        info = Gauge(f"{PREFIX}:cache_config_info", "Information of the KV cache configuration.", names,
+                     registry=self.registry)
+        info.labels(*(str(labels[k]) for k in names)).set(1)
+        self._cache_config_registered = True
 
     def observe_request_times(self, timings: dict[str, float] | None, completion_tokens: int) -> None:
         """A finished request's phases as the scheduler measured them (`TokenOut.timings`)."""
@@ -116,6 +166,8 @@ class ServerMetrics:
         for hist, key in ((self.queue_time, "queue"), (self.prefill_time, "prefill"), (self.decode_time, "decode")):
             if key in timings:
                 hist.labels(m).observe(timings[key])
+        if "prefill" in timings:
+            self.inference_time.labels(m).observe(timings["prefill"] + timings.get("decode", 0.0))
         if "decode" in timings and completion_tokens > 1:
             self.tpot.labels(m).observe(timings["decode"] / (completion_tokens - 1))
 
@@ -131,6 +183,7 @@ class ServerMetrics:
         """A request the API aborted itself (client hang-up), whose final output it no longer waits for."""
         self.requests.labels(self.model_name, "abort").inc()
         self.aborted.labels(self.model_name).inc()
+        self.request_success.labels(self.model_name, "abort").inc()
 
     def observe_rejected(self) -> None:
         self.rejected.labels(self.model_name).inc()
@@ -150,6 +203,7 @@ class ServerMetrics:
             # Prefix-cached tokens are evictable, so only tokens held by requests count as used.
             self.kv_usage.labels(m).set(in_use / total)
             self.kv_usage_perc.labels(m).set(in_use / total)
+            self.gpu_cache_usage.labels(m).set(in_use / total)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

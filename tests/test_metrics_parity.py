@@ -96,7 +96,36 @@ def test_exported_families() -> None:
     assert sample(text, "iteration_tokens_total_count") == 3 and sample(text, "iteration_tokens_total_sum") == 514
     assert 'servelm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 2.0' in text
     assert sample(text, "num_preemptions_total") == 2
-    assert sample(text, "kv_cache_usage_perc") == 0.25
+    assert sample(text, "kv_cache_usage_perc") == 0.25 and sample(text, "gpu_cache_usage_perc") == 0.25
+    # request_inference_time_seconds: prefill + decode, the queue left out (the aborted one never ran)
+    assert sample(text, "request_inference_time_seconds_count") == 1
+    assert sample(text, "request_inference_time_seconds_sum") == 2.25
+
+
+def test_vllm_request_families() -> None:
+    metrics = ServerMetrics("m")
+    metrics.observe_finished("stop", 1.0, prompt_tokens=30, cached_tokens=20, completion_tokens=7, max_tokens=16)
+    metrics.observe_finished("length", 1.0, prompt_tokens=5, cached_tokens=0, completion_tokens=16, max_tokens=16)
+    metrics.observe_aborted()
+    metrics.observe_request_n(2)
+    metrics.set_cache_config({"block_size": 1, "cache_dtype": "bfloat16", "enable_prefix_caching": True,
+                              "num_gpu_blocks": 4096, "num_cpu_blocks": None})
+    metrics.set_cache_config({"block_size": 99})  # once only
+    text = metrics.render().decode()
+    for reason, count in (("stop", 1), ("length", 1), ("abort", 1)):
+        assert f'servelm:request_success_total{{finished_reason="{reason}",model_name="m"}} {count}.0' in text
+    assert sample(text, "request_prompt_tokens_sum") == 35 and sample(text, "request_prompt_tokens_count") == 2
+    assert 'servelm:request_prompt_tokens_bucket{le="5.0",model_name="m"} 1.0' in text
+    assert sample(text, "request_generation_tokens_sum") == 23
+    assert sample(text, "request_params_max_tokens_sum") == 32
+    assert sample(text, "request_params_n_sum") == 2
+    assert 'servelm:request_params_n_bucket{le="2.0",model_name="m"} 1.0' in text
+    for prefix in ("", "gpu_"):
+        assert sample(text, f"{prefix}prefix_cache_queries_total") == 35
+        assert sample(text, f"{prefix}prefix_cache_hits_total") == 20
+    assert ('servelm:cache_config_info{block_size="1",cache_dtype="bfloat16",enable_prefix_caching="True",'
+            'num_cpu_blocks="None",num_gpu_blocks="4096"} 1.0') in text
+    assert "block_size=\"99\"" not in text and 'block_size="99"' not in text
 
 
 def run_to_end(sched: Any) -> list[TokenOut]:
@@ -122,6 +151,28 @@ def test_scheduler_scores_label_tokens_after_a_chunked_prompt() -> None:
     assert set(out.timings or {}) == {"queue", "prefill"}
 
 
+def test_iteration_tokens_count_the_whole_prompt_once_cached_or_not() -> None:
+    """vLLM's iteration_tokens_total: a prefill chunk that does not end the prompt counts nothing, the step
+    that ends it the whole prompt (its cached prefix too) plus the token it samples, a decode one token."""
+    from servelm.managers.io_struct import GenerateReq
+    from tests.managers.test_scheduler import make
+
+    sched = make(chunked_prefill_size=4)
+    prompt = list(range(5, 15))
+    sched.add_request(GenerateReq("a", prompt, {"max_new_tokens": 2, "ignore_eos": True}))
+    counts = []
+    while sched.has_work():
+        sched.step()
+        counts.append(sched.last_step_tokens)
+    assert counts == [0, 0, 11, 1]  # chunks of 4, 4, 2, then one decode
+    sched.add_request(GenerateReq("b", prompt + [42], {"max_new_tokens": 1}))  # 10 of its 11 tokens cached
+    sched.step()
+    assert sched.last_step_tokens == 12 and not sched.has_work()
+    sched.add_request(GenerateReq("c", prompt, {"max_new_tokens": 0}))  # prefill only: the prompt alone
+    sched.step()
+    assert sched.last_step_tokens == 10
+
+
 def test_scheduler_times_each_phase_and_counts_steps() -> None:
     from servelm.managers.io_struct import GenerateReq
     from tests.managers.test_scheduler import make
@@ -129,7 +180,7 @@ def test_scheduler_times_each_phase_and_counts_steps() -> None:
     sched = make()
     sched.add_request(GenerateReq("g", [1, 2, 3], {"max_new_tokens": 4, "ignore_eos": True}))
     sched.step()
-    assert sched.last_step_tokens == 3  # the prompt
+    assert sched.last_step_tokens == 4  # the prompt and its first token, as vLLM counts
     outs = run_to_end(sched)
     assert sched.last_step_tokens == 1 and outs[-1].label_logprobs is None  # a decode step
     timings = outs[-1].timings or {}

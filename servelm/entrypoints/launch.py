@@ -77,6 +77,17 @@ def _wait_ready(state: ServerState) -> dict[str, Any]:
     return {"status": "error", "message": f"the scheduler process exited (code {code}) before it was ready"}
 
 
+def cache_config_labels(args: ServerArgs, info: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's cache_config_info labels (its CacheConfig field names) from the flags and the scheduler's model
+    info: a page is vLLM's block, the pool's pages its num_gpu_blocks, wherever the pool lives."""
+    page = args.page_size
+    capacity = info.get("kv_capacity_tokens")
+    return {"block_size": page, "cache_dtype": info.get("kv_cache_dtype", args.kv_cache_dtype),
+            "enable_prefix_caching": not args.disable_radix_cache,
+            "num_gpu_blocks": capacity // page if isinstance(capacity, int) else None,
+            "num_cpu_blocks": None}
+
+
 async def _startup(state: ServerState) -> None:
     """Load the tokenizer while the scheduler loads the model; then mark ready and watch the scheduler."""
     args = state.server_args
@@ -99,8 +110,9 @@ async def _startup(state: ServerState) -> None:
             return
         manager.set_tokenizer(tokenizer)
         manager.model_info = dict(msg.get("model_info") or {})
-        state.ready = True
         info = manager.model_info
+        state.metrics.set_cache_config(cache_config_labels(args, info))
+        state.ready = True
         logger.info("servelm ready in %.1f s: model %s (%s), dtype %s, KV capacity %s tokens, context %s, "
                     "serving at http://%s:%d", time.monotonic() - state.started_at, state.model_name,
                     info.get("architecture", "?"),

@@ -132,7 +132,7 @@ class Scheduler:
         self.grammars = GrammarFactory(tokenizer, vocab_size, self.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
                       "finished": 0, "aborted": 0, "disk_cached_tokens": 0}
-        self.last_step_tokens = 0  # tokens the last step ran (prefill chunks + decodes)
+        self.last_step_tokens = 0  # the last step's tokens as vLLM's iteration_tokens_total counts them
 
     # ------------------------------------------------------------ requests
     def add_request(self, req: GenerateReq) -> None:
@@ -316,7 +316,7 @@ class Scheduler:
     def step(self) -> list[TokenOut]:
         """Schedule, run one forward over the mixed batch, sample, and report progress."""
         plan = self.schedule()
-        self.last_step_tokens = sum(n for _, n in plan)
+        self.last_step_tokens = sum(self._iteration_tokens(req, n) for req, n in plan)
         if not plan:
             return []
         input_ids: list[int] = []
@@ -386,6 +386,15 @@ class Scheduler:
             self.running.remove(req)
             outputs.append(self._finish(req, FinishReason.length()))
         return outputs
+
+    @staticmethod
+    def _iteration_tokens(req: Req, n: int) -> int:
+        """vLLM's count of a request's tokens in a step: nothing for a prefill chunk that does not end the
+        prompt; the whole prompt, cached part included, in the step that ends it; one per token generated."""
+        if req.num_computed + n < len(req.all_ids):
+            return 0
+        generated = 1 if req.params.max_new_tokens > 0 else 0
+        return generated + (len(req.prompt_ids) if not req.output_ids else 0)
 
     def _share_prefix(self, req: Req) -> None:
         """After a prefill chunk, put the request's KV so far in the prefix cache (as SGLang does), so

@@ -95,6 +95,8 @@ class RequestGroup:
     rid: str
     manager: TokenizerManager
     subs: list[_SubRequest] = field(default_factory=list)
+    n: int = 1  # choices per prompt: sub-request p * n + i is prompt p's choice i
+    max_tokens: int | None = None  # the request's max_new_tokens (metrics)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     async def outputs(self) -> AsyncIterator[tuple[int, TokenOut]]:
@@ -228,7 +230,7 @@ class TokenizerManager:
             raise QueueFullError(
                 f"server is at capacity ({self.num_in_flight} requests in flight, at most "
                 f"{self.max_in_flight}); retry later")
-        group = RequestGroup(rid=rid, manager=self)
+        group = RequestGroup(rid=rid, manager=self, n=n, max_tokens=params.max_new_tokens)
         sampling = params.to_dict()
         now = time.monotonic()
         for p, ids in enumerate(prompts):
@@ -310,8 +312,10 @@ class TokenizerManager:
         if out.finish_reason is not None:
             sub.finished = True
             self._forget(sub)
-            self.metrics.observe_finished(out.finish_reason.type, now - sub.created,
-                                          out.prompt_tokens, out.cached_tokens)
+            self.metrics.observe_finished(out.finish_reason.type, now - sub.created, out.prompt_tokens,
+                                          out.cached_tokens, out.completion_tokens, sub.group.max_tokens)
+            if sub.index % sub.group.n == 0:  # once per prompt, as vLLM counts a request's n
+                self.metrics.observe_request_n(sub.group.n)
             self.metrics.observe_request_times(out.timings, out.completion_tokens)
             if self.server_args.log_requests:
                 logger.info("request %s finished: %s, %d prompt + %d completion tokens (%d cached), %.3fs",

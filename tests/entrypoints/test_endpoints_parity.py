@@ -174,7 +174,18 @@ def test_vllm_metric_families(server: ServerProcess, http: httpx.Client) -> None
     assert metric(text, "iteration_tokens_total_count") > _count(before, "iteration_tokens_total_count")
     assert 'servelm:iteration_tokens_total_bucket{le="1.0",model_name="tiny"}' in text
     usage = metric(text, "kv_cache_usage_perc")
-    assert 0.0 <= usage <= 1.0 and usage == metric(text, "token_usage")
+    assert 0.0 <= usage <= 1.0 and usage == metric(text, "token_usage") == metric(text, "gpu_cache_usage_perc")
+    # vLLM's per-request families: four requests of max_tokens 150, each generating all 150 (ignore_eos)
+    for name, value in (("request_prompt_tokens_count", 4), ("request_generation_tokens_sum", 600),
+                        ("request_params_max_tokens_sum", 600), ("request_params_n_sum", 4),
+                        ("request_inference_time_seconds_count", 4)):
+        assert metric(text, name) - _count(before, name) == value, name
+    prompts = metric(text, "request_prompt_tokens_sum") - _count(before, "request_prompt_tokens_sum")
+    assert metric(text, "prefix_cache_queries_total") - _count(before, "prefix_cache_queries_total") == prompts
+    assert metric(text, "gpu_prefix_cache_hits_total") == metric(text, "prefix_cache_hits_total")
+    assert re.search(r'^servelm:request_success_total\{finished_reason="length",model_name="tiny"\} \d', text, re.M)
+    assert re.search(r'^servelm:cache_config_info\{block_size="\d+",cache_dtype="float32",enable_prefix_caching="True",'
+                     r'num_cpu_blocks="None",num_gpu_blocks="\d+"\} 1\.0$', text, re.M)
     assert "# TYPE servelm:kv_cache_usage_perc gauge" in text
 
 
