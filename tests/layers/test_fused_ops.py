@@ -18,15 +18,7 @@ from servelm.model_executor.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not fused.loaded(), reason="the C++ kernels cannot be built here")
 
-ISAS = list(range(torch.ops.servelm_fused.best_isa() + 1)) if fused.loaded() else []
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-
-
-@pytest.fixture(params=ISAS, ids=lambda i: ("sse2", "avx2", "avx512")[i])
-def isa(request):
-    assert torch.ops.servelm_fused.set_isa(request.param) == request.param
-    yield request.param
-    torch.ops.servelm_fused.set_isa(-1)
 
 
 @pytest.fixture(autouse=True)
@@ -199,8 +191,7 @@ def _forward(attn: PagedAttention, cache: KVCache, q: torch.Tensor, extend_lens:
         out_loc += s[len(s) - n:]
     fb = ForwardBatch.build([0] * len(pos), pos, out_loc, extend_lens, slots, [len(pos) - 1], torch.device("cpu"))
     fb.kv_cache = cache
-    k = cache.k[attn.layer_id].index_select(0, fb.out_cache_loc).clone()
-    v = cache.v[attn.layer_id].index_select(0, fb.out_cache_loc).clone()
+    k, v = cache.layer(attn.layer_id).gather(fb.out_cache_loc)  # decoded: they encode to the same bits
     return attn(q, k, v, fb)
 
 

@@ -25,16 +25,8 @@ from servelm.model_executor.forward_batch import ForwardBatch
 
 pytestmark = pytest.mark.skipif(not fused.loaded(), reason="the C++ kernels cannot be built here")
 
-ISAS = list(range(torch.ops.servelm_fused.best_isa() + 1)) if fused.loaded() else []
 STORED = [d for d in mp.KV_CACHE_DTYPES if d != "auto"]
 CHUNK = 128  # kAttnChunk in fused_ops.cpp
-
-
-@pytest.fixture(params=ISAS, ids=lambda i: ("sse2", "avx2", "avx512")[i])
-def isa(request):
-    assert torch.ops.servelm_fused.set_isa(request.param) == request.param
-    yield request.param
-    torch.ops.servelm_fused.set_isa(-1)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

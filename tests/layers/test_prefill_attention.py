@@ -19,20 +19,12 @@ from servelm.layers import fused
 from servelm.layers.attention import PagedAttention
 from servelm.mem_cache import memory_pool as mp
 from servelm.mem_cache.memory_pool import KVCache
-from servelm.model_executor.forward_batch import ForwardBatch
+from tests.layers.test_fused_ops import _forward
 
 pytestmark = pytest.mark.skipif(not fused.loaded(), reason="the C++ kernels cannot be built here")
 
-ISAS = list(range(torch.ops.servelm_fused.best_isa() + 1)) if fused.loaded() else []
 STORED = [d for d in mp.KV_CACHE_DTYPES if d != "auto"]
 CHUNK = 128  # kAttnChunk in fused_ops.cpp
-
-
-@pytest.fixture(params=ISAS, ids=lambda i: ("sse2", "avx2", "avx512")[i])
-def isa(request):
-    assert torch.ops.servelm_fused.set_isa(request.param) == request.param
-    yield request.param
-    torch.ops.servelm_fused.set_isa(-1)
 
 
 def _case(name: str, reqs: list[tuple[int, int]], hkv: int, group: int, D: int, seed: int):
@@ -140,18 +132,6 @@ def test_prefill_attention_bits_ignore_threads_batch_and_chunking() -> None:
             part = torch.tensor([[0, b - a, b, 0]], dtype=torch.long)
             parts.append(_run(q[a:b].contiguous(), kv, index[:b], part))
         assert torch.equal(torch.cat(parts), two[:L])
-
-
-def _forward(attn: PagedAttention, cache: KVCache, q: torch.Tensor, extend_lens: list[int],
-             slots: list[list[int]]) -> torch.Tensor:
-    pos, out_loc = [], []
-    for n, s in zip(extend_lens, slots):
-        pos += list(range(len(s) - n, len(s)))
-        out_loc += s[len(s) - n:]
-    fb = ForwardBatch.build([0] * len(pos), pos, out_loc, extend_lens, slots, [len(pos) - 1], torch.device("cpu"))
-    fb.kv_cache = cache
-    k, v = cache.layer(attn.layer_id).gather(fb.out_cache_loc)  # decoded: they encode to the same bits
-    return attn(q, k, v, fb)
 
 
 @pytest.mark.parametrize("name", ["float32", "int8"])
