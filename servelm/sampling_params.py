@@ -209,8 +209,8 @@ def context_length_error(prompt_len: int, max_new_tokens: int | None, context_le
         pool = ""
         if model_context and model_context > context_length:
             pool = (f" The KV cache pool holds {context_length} tokens, fewer than the model's context length of "
-                    f"{model_context}: a larger --cpu-kv-cache-gb, --max-total-tokens or --kv-cache-dtype with "
-                    "fewer bytes makes room.")
+                    f"{model_context}: a larger pool (--cpu-kv-cache-gb, --mem-fraction-static on a GPU, "
+                    "--max-total-tokens) or a --kv-cache-dtype of fewer bytes makes room.")
         return (f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} "
                 f"tokens). This model's maximum context length is {context_length} tokens. However, the {prompt} "
                 f"has {prompt_len} tokens. Please reduce the length of the {prompt}.{pool}")

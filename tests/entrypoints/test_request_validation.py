@@ -81,8 +81,8 @@ def test_one_home_for_prompt_checks() -> None:
     # a KV pool smaller than the model's context: both sizes named, and what makes room
     assert context_length_error(20, None, 16, model_context=8192).endswith(
         "Please reduce the length of the prompt. The KV cache pool holds 16 tokens, fewer than the model's context "
-        "length of 8192: a larger --cpu-kv-cache-gb, --max-total-tokens or --kv-cache-dtype with fewer bytes "
-        "makes room.")
+        "length of 8192: a larger pool (--cpu-kv-cache-gb, --mem-fraction-static on a GPU, --max-total-tokens) or a "
+        "--kv-cache-dtype of fewer bytes makes room.")
     assert "pool" not in context_length_error(20, None, 16, model_context=16)
     assert context_length_error(10, 7, 16, "messages", "max_completion_tokens") == (
         "Requested token count exceeds the model's maximum context length of 16 tokens. You requested a total of 17 "
