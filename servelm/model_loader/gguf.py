@@ -285,10 +285,28 @@ class GGUFModelSource(ModelSource):
         return 0
 
 
+class FastGGUFReader(GGUFReader):
+    """gguf-py's reader, reading its fields through a plain ndarray view of the memory map.
+
+    Its `_get` slices `np.memmap`, whose `__getitem__` and `__array_finalize__` run in Python for each of the
+    ~1.5M slices a 128k-token vocabulary takes: 7.4 s of a 1B Llama's 18.8 s load here. Slices of a plain
+    ndarray over the same mapping are the same values (and still backed by the file) without that overhead.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None or plain.base is not self.data:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = plain[offset: offset + dt.itemsize * count].view(dt)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def load_gguf_source(path: str) -> GGUFModelSource:
     """Open a .gguf file: parse metadata into a HF config and index its tensors under HF names."""
     try:
-        reader = GGUFReader(path)
+        reader = FastGGUFReader(path)
     except (ValueError, OSError) as e:
         raise ModelSourceError(f"Cannot read GGUF file {path}: {e}") from e
     config = gguf_config(reader, path)
