@@ -36,7 +36,7 @@ from servelm.model_loader import (
 )
 from servelm.model_loader import default_model as default_model_mod
 from servelm.model_loader import tokenizer as tokenizer_mod
-from servelm.model_loader.gguf import unpermute_qk
+from servelm.model_loader.gguf import FastGGUFReader, unpermute_qk
 from tests.models.gguf_files import write_gguf
 
 pytestmark = pytest.mark.slow  # starts servers, spawns ranks or loads the default model
@@ -49,6 +49,22 @@ def test_default_model_path_finds_the_gguf() -> None:
     assert os.path.isabs(path) and os.path.isfile(path)
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert os.path.getsize(path) == 98362432
+
+
+def test_fast_gguf_reader_reads_what_gguf_py_reads() -> None:
+    """FastGGUFReader (plain ndarray slices of the map) against gguf-py's own reader on the default model."""
+    path = default_model_path()
+    ours, theirs = FastGGUFReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, a in theirs.fields.items():
+        b = ours.fields[key]
+        assert (a.data, a.types, len(a.parts)) == (b.data, b.types, len(b.parts)), key
+        assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.parts, b.parts, strict=True)), key
+        assert repr(a.contents()) == repr(b.contents()), key
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in theirs.tensors]
+    for a, b in zip(theirs.tensors, ours.tensors, strict=True):
+        assert a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
 
 
 def test_default_model_path_does_not_import_the_plugin_package() -> None:
