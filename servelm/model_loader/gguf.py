@@ -295,7 +295,7 @@ class FastGGUFReader(GGUFReader):
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
         plain = self.__dict__.get("_plain")
-        if plain is None or plain.base is not self.data:
+        if plain is None:  # the first call: gguf-py's __init__ has mapped self.data and parses from here on
             plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
         count = int(count)
         dt = np.dtype(dtype)

@@ -84,9 +84,9 @@ struct PrefillWork {
 };
 
 // A prefill unit's working floats (fused_kernels.inc, prefill_unit): queries and outputs [D][rows], one chunk's
-// scores [kAttnChunk][rows], the row statistics, the chunk's K and V [kAttnChunk][D], a zero row, the scales.
+// scores [kAttnChunk][rows], the row statistics, the chunk's K then V [kAttnChunk][D], a zero row, the scales.
 constexpr int64_t prefill_buf_floats(int64_t D, int64_t rows) {
-  return 2 * D * rows + kAttnChunk * rows + 3 * rows + 2 * kAttnChunk * D + D + 2 * kAttnChunk;
+  return 2 * D * rows + kAttnChunk * rows + 3 * rows + kAttnChunk * D + D + 2 * kAttnChunk;
 }
 
 // One ISA's kernels; each runs on a range of rows (tokens, or (request, kv head) items) so the ops can split it
