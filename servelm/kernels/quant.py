@@ -81,14 +81,18 @@ QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_bloc
 BLOCK = 32
 SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
-TILES_MIN_ROWS = 10  # rows of x from which `linear` takes the fp32 tile kernel (outside deterministic mode)
-# A decode step's batch (every row a request's next token; `decode_tiles_min_rows`) keeps the int8 scheme's
-# integer kernel up to 95 rows (Q6_K: 63), 1.3-2.7x the tiles' speed there. Prompts keep the tiles from 10 rows:
-# the int8 kernel over a prompt costs quality (the default model's 1024-token text: teacher-forced top-1
-# agreement 96.9% against fp32, under issue 20's 97% bar, 97.5% with int8 for decode only; "What is the
-# capital of France?" flips its first token, a 0.1-nat tie), docs/measurements/quant-kernels.md.
-INT8_DECODE_TILES_MIN_ROWS = 96
-Q6K_DECODE_TILES_MIN_ROWS = 64
+TILES_MIN_ROWS = 10  # int16 scheme: rows of x from which `linear` takes the fp32 tile kernel (not deterministic)
+# The int8 scheme (the nibble formats on avx512_vnni_i8 / avx2_i8) keeps x's int8 codes at every row count:
+# prompts too (the default model's 1,024-token text: teacher-forced top-1 agreement with fp32 97.5%, perplexity
+# -0.09%, tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`: on
+# AVX-512 VNNI the int8 panel GEMM (csrc/panels_avx512_vnni.cpp), from PANEL_MIN_ROWS (Q6_K, whose micro-kernel
+# is the slowest: Q6K_PANEL_MIN_ROWS), the measured crossovers; on AVX2 the fp32 tiles, from
+# INT8_TILES_MIN_ROWS (Q6_K: Q6K_INT8_TILES_MIN_ROWS), where the micro-kernel stops being 1.3-2.7x faster
+# (docs/measurements/quant-kernels.md).
+PANEL_MIN_ROWS = 64
+Q6K_PANEL_MIN_ROWS = 16
+INT8_TILES_MIN_ROWS = 96
+Q6K_INT8_TILES_MIN_ROWS = 64
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -398,13 +402,23 @@ def kernel_backend() -> str:
     return _backend or force_backend(os.environ.get(FORCE_ENV))
 
 
-def decode_tiles_min_rows(fmt: str, backend: str | None = None) -> int:
-    """Rows of a decode step's batch from which a weight in `fmt` takes the fp32 tile kernel (outside
-    deterministic mode; `fused.decode_layer`): TILES_MIN_ROWS on the int16 scheme, INT8_DECODE_TILES_MIN_ROWS
-    (Q6_K: Q6K_DECODE_TILES_MIN_ROWS) on the int8 one. `backend`: a kernel path (default: the process's)."""
+@cache
+def tiles_min_rows(fmt: str, backend: str) -> int:
+    """Rows of x from which `linear` (outside deterministic mode) and `fused.decode_layer` leave the integer
+    micro-kernel for `linear_tiles`, the many-rows path: on avx512_vnni_i8 the int8 panel GEMM for the nibble
+    formats, elsewhere the fp32 tiles (`many_rows_scheme`). `backend`: a kernel path."""
     if activation_scheme(fmt, backend) != "int8":
         return TILES_MIN_ROWS
-    return Q6K_DECODE_TILES_MIN_ROWS if fmt == "q6_k" else INT8_DECODE_TILES_MIN_ROWS
+    if backend == "avx512_vnni_i8":
+        return Q6K_PANEL_MIN_ROWS if fmt == "q6_k" else PANEL_MIN_ROWS
+    return Q6K_INT8_TILES_MIN_ROWS if fmt == "q6_k" else INT8_TILES_MIN_ROWS
+
+
+def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
+    """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
+    its rows not bitwise the micro-kernel's) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
+    backend = backend or kernel_backend()
+    return "int8" if backend == "avx512_vnni_i8" and fmt != "q8_0" else "fp32"
 
 
 def isa_index(backend: str | None = None) -> int:
@@ -413,7 +427,7 @@ def isa_index(backend: str | None = None) -> int:
 
 
 def activation_scheme(fmt: str, backend: str | None = None) -> str:
-    """How `linear` rounds x for a weight in `fmt` at decode (and at every row count in deterministic mode):
+    """How `linear`'s micro-kernel rounds x for a weight in `fmt` (decode; every row count in deterministic mode):
     "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats: per block of 32,
     d = amax / 127, vpdpbusd / vpmaddubsw),
     "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path).
@@ -433,13 +447,13 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
            backend: str | None = None) -> torch.Tensor:
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
-    From TILES_MIN_ROWS rows of x on, unless `invariant`, the C++ kernel takes its fp32 tile path instead
-    (weights dequantised into cache-sized tiles, fp32 FMA: 2-3x faster than the int16 scheme for prefill and
-    large batches; a decode step's batch keeps the int8 scheme longer, see `decode_tiles_min_rows`; measured in
-    docs/measurements/quant-kernels.md); the tiles' results differ
-    from the integer scheme's, so `invariant=True` (deterministic mode) keeps every M on the integer scheme.
+    From `tiles_min_rows(fmt, backend)` rows of x on, unless `invariant`, the C++ kernel takes its many-rows
+    path instead: the int8 panel GEMM on avx512_vnni_i8 (the nibble formats), else fp32 tiles (weights
+    dequantised into cache-sized tiles, fp32 FMA); measured in docs/measurements/quant-kernels.md. Its results
+    differ in the last bits from the micro-kernel's, so `invariant=True` (deterministic mode) keeps every M on
+    the micro-kernel.
 
-    With `invariant=True` (or fewer than TILES_MIN_ROWS rows) the C++ kernel is batch-invariant: each output
+    With `invariant=True` (or fewer than `tiles_min_rows` rows) the C++ kernel is batch-invariant: each output
     element is one fixed sequence of operations on its own row of x (integer codes per block, exact int32 block
     sums, fp32 scaling and accumulation in block order, one fixed lane-sum tree, bias last) whatever M is,
     whatever the other rows of x are and however the threads split the work, so row m is bitwise identical for
@@ -466,7 +480,7 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         bias = bias.to(torch.float32).contiguous()
     ops = torch.ops.servelm_quant
-    op = ops.linear if invariant or x2.shape[0] < TILES_MIN_ROWS else ops.linear_tiles
+    op = ops.linear if invariant or x2.shape[0] < tiles_min_rows(qw.fmt, backend) else ops.linear_tiles
     y = op.default(x2, *qw.tensors(), _REGISTRY[qw.fmt].code, bias, _ISA_NAMES.index(backend))
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 

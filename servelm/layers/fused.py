@@ -157,16 +157,15 @@ def decode_layer(layer: Any, args: tuple[list, list[int], list[int], list, list[
                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A Llama-family decoder layer's decode step in one C++ call (`LlamaDecoderLayer.fused_decode_args`):
     the norms, the quantised projections, rotary + KV write and decode attention, as the layer's own ops
-    compute them, bit for bit, without ~10 dispatches and ~40 Python frames a layer; except that batches of
-    TILES_MIN_ROWS to 95 requests keep the int8 scheme's integer kernel, where the layer's own ops take the
-    fp32 tiles (`quant.decode_tiles_min_rows`)."""
+    compute them, bit for bit, without ~10 dispatches and ~40 Python frames a layer (each projection leaves the
+    micro-kernel for the many-rows path from `quant.tiles_min_rows` requests, as `quant.linear` does)."""
     from servelm.kernels import quant
 
     weights, fmts, parts, biases, names = args
     backend = backend or quant.kernel_backend()  # the layer's frozen quant path (default: the process's)
     tiles_from = layer.fused_tiles_from.get(backend)
     if tiles_from is None:  # per kernel path (tests switch it): where each part leaves the integer scheme
-        tiles_from = [quant.decode_tiles_min_rows(name, backend) for name in names]
+        tiles_from = [quant.tiles_min_rows(name, backend) for name in names]
         layer.fused_tiles_from[backend] = tiles_from
     attn = layer.self_attn
     kv = fb.kv_cache.layer(attn.attn.layer_id)

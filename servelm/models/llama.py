@@ -118,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
             return None
         weights: list = []
         fmts: list[int] = []
-        names: list[str] = []  # the parts' formats by name (their tile thresholds, `quant.decode_tiles_min_rows`)
+        names: list[str] = []  # the parts' formats by name (their tile thresholds, `quant.tiles_min_rows`)
         parts: list[int] = []
         biases: list = []
         for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):

@@ -78,7 +78,9 @@ def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: 
     ref = x.double() @ w.T + (bias.double() if bias is not None else 0)
     bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
     scheme = quant.activation_scheme(qw.fmt)
-    if scheme != "fp32" and x.shape[0] < quant.TILES_MIN_ROWS:  # x rounded to codes: half a step an element
+    if scheme != "fp32" and x.shape[0] >= quant.tiles_min_rows(qw.fmt, quant.kernel_backend()):
+        scheme = quant.many_rows_scheme(qw.fmt)  # the many-rows path: fp32 tiles or the int8 panel GEMM
+    if scheme != "fp32":  # x rounded to codes: half a step an element
         bound = bound + (_code_step(x.double(), scheme) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
@@ -107,34 +109,41 @@ def test_kernel_dequantises_exactly(path, fmt):
 
 
 def _check_identity(qw: quant.QuantWeight, k: int) -> None:
-    """x = identity rows through the tile path (70 rows) and the integer scheme: the int16 scheme's power-of-two
-    scales give the dequantised weights bit for bit, the int8 scheme's d_x = 1/127 to fp32 rounding of
-    (d_w * d_x) * 127q (two roundings: 2^-23 of the weight)."""
+    """x = identity rows through the many-rows path (70 rows: fp32 tiles or the int8 panel GEMM) and the
+    micro-kernel: fp32 tiles and the int16 scheme's power-of-two scales give the dequantised weights bit for
+    bit, the int8 scheme's d_x = 1/127 to fp32 rounding of (d_w * d_x) * 127q (two roundings: 2^-23 of the
+    weight)."""
     eye, want = torch.eye(k), quant.dequantize(qw).T
-    tiles = torch.ops.servelm_quant.linear_tiles.default(
-        torch.nn.functional.pad(eye[:70], (0, qw.blocks * quant.BLOCK - k)), *qw.tensors(),
-        quant.block_format(qw.fmt).code, None, quant.isa_index())
-    assert torch.equal(tiles, want[:70])  # fp32 tiles
-    assert torch.equal(quant.linear(eye[:70], qw), want[:70])  # what `linear` takes for 70 rows
     # the terms' sizes: |scale * code| + |min| (a minimum adds one more rounding after the product)
     if quant.block_format(qw.fmt).has_min:
         scaled = quant.dequantize(_without_min(qw))[:, : qw.shape[1]]
         terms = (scaled.abs() + (quant.dequantize(qw) - scaled).abs()).T
     else:
         terms = want.abs()
-    for rows in (slice(0, 70), slice(33, 34)):
-        got = quant.linear(eye[rows], qw, invariant=True)
-        if quant.activation_scheme(qw.fmt) == "int8":
+
+    def check(got: torch.Tensor, rows: slice, scheme: str) -> None:
+        if scheme == "int8":
             assert bool(((got - want[rows]).abs() <= terms[rows] * 2.0 ** -21).all())
         else:
             assert torch.equal(got, want[rows])
+
+    tiles = torch.ops.servelm_quant.linear_tiles.default(
+        torch.nn.functional.pad(eye[:70], (0, qw.blocks * quant.BLOCK - k)), *qw.tensors(),
+        quant.block_format(qw.fmt).code, None, quant.isa_index())
+    check(tiles, slice(0, 70), quant.many_rows_scheme(qw.fmt))
+    many = 70 >= quant.tiles_min_rows(qw.fmt, quant.kernel_backend())  # what `linear` takes for 70 rows
+    check(quant.linear(eye[:70], qw), slice(0, 70),
+          quant.many_rows_scheme(qw.fmt) if many else quant.activation_scheme(qw.fmt))
+    for rows in (slice(0, 70), slice(33, 34)):
+        check(quant.linear(eye[rows], qw, invariant=True), rows, quant.activation_scheme(qw.fmt))
 
 
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
 @pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_linear_is_batch_invariant(path, fmt):
     """With invariant=True (deterministic mode), row m is bitwise the same alone, in a batch of 37 with other
-    rows, and with 1 or 2 threads. Without it, 10+ rows take the fp32 tile path: close, not the same bits."""
+    rows, and with 1 or 2 threads. Without it, `tiles_min_rows` rows on take the many-rows path (fp32 tiles or
+    the int8 panel GEMM): close, not the same bits."""
     assert quant.batch_invariant()
     g = torch.Generator().manual_seed(2)
     _, qw = _weight(200, 576, fmt, seed=4)
@@ -149,9 +158,10 @@ def test_linear_is_batch_invariant(path, fmt):
             assert torch.equal(quant.linear(x[m: m + 1], qw, bias, invariant=True), full[m: m + 1])
         other = torch.cat([x[:3], torch.randn(30, 576, generator=g) * 100])
         assert torch.equal(quant.linear(other, qw, bias, invariant=True)[:3], full[:3])
-        tiles = quant.linear(x, qw, bias)
-        assert not torch.equal(tiles, full)
-        _check_close(tiles, x, qw, bias)
+        many = torch.cat([x, torch.randn(quant.tiles_min_rows(fmt, path), 576, generator=g)])
+        tiles = quant.linear(many, qw, bias)
+        assert not torch.equal(tiles[:37], full)
+        _check_close(tiles, many, qw, bias)
         for m in (0, 5, 36):  # the integer scheme's rows, each within its own rounding bound
             _check_close(full[m: m + 1], x[m: m + 1], qw, bias)
     finally:
@@ -375,3 +385,33 @@ def test_k_quant_row_and_column_operations(fmt):
         quant.quantize(torch.zeros(2, 256), fmt)
     with pytest.raises(ValueError, match="32-weight formats"):
         quant.to_gguf(qw)
+
+
+@pytest.mark.skipif("avx512_vnni_i8" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("fmt", [f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS))
+def test_int8_panel_gemm_matches_the_micro_kernel(fmt):
+    """The panel GEMM (many rows on avx512_vnni_i8) rounds x to the micro-kernel's int8 codes and sums the same
+    exact int32 block products, in another fp32 order: within fp32 rounding of the micro-kernel's rows, over
+    N not a multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows
+    (K = 4,608 at 70 rows), blocks of very different scales, and a bias."""
+    g = torch.Generator().manual_seed(21)
+    shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in K_QUANTS else ((67, 70), (13, 575), (40, 4608))
+    try:
+        quant.force_backend("avx512_vnni_i8")
+        for n, k in shapes:
+            qw = _random_k(fmt, n, k, seed=n)[1] if fmt in K_QUANTS else _weight(n, k, fmt, seed=n)[1]
+            bias = torch.randn(n, generator=g)
+            for m in (16, 37, 70, 130):
+                x = torch.randn(m, k, generator=g)
+                x[0, :32] *= 1000
+                x[m // 2, -40:] = 0
+                many = torch.ops.servelm_quant.linear_tiles.default(
+                    torch.nn.functional.pad(x, (0, qw.blocks * quant.BLOCK - k)), *qw.tensors(),
+                    quant.block_format(fmt).code, bias, quant.isa_index())
+                micro = quant.linear(x, qw, bias, invariant=True)
+                scale = x.double().abs() @ quant.dequantize(qw).double().abs().T + bias.double().abs()
+                assert bool(((many.double() - micro.double()).abs() <= 2e-6 * scale).all()), (n, k, m)
+                if m >= quant.tiles_min_rows(fmt, "avx512_vnni_i8"):
+                    assert torch.equal(quant.linear(x, qw, bias), many)
+    finally:
+        quant.force_backend(None)

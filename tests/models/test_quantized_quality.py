@@ -7,10 +7,12 @@ flips with any change of rounding):
   domain) within 1% of fp32's;
 * teacher-forced top-1 agreement with fp32 (the argmax after each prefix of the same text) of at least 97%.
 
-Both for Q4_1 kept (`auto`; the prompt is scored by a prefill, so 10+ rows: the fp32 tile path), Q4_1 kept on
-the integer-activation scheme that decode uses (`auto_int`: deterministic mode keeps every row count on it;
-int8 activations on AVX-512 VNNI, int16 elsewhere, `quant.activation_scheme`), and int8 (q8_0 blocks
-quantised at load from the dequantised fp32 weights).
+Both for Q4_1 kept (`auto`; the prompt is scored by a prefill, so many rows: the int8 panel GEMM on AVX-512
+VNNI, the fp32 tiles on AVX2 from 96 rows, `quant.many_rows_scheme`), Q4_1 kept on the micro-kernel that decode
+uses (`auto_int`: deterministic mode keeps every row count on it; int8 activations on AVX-512 VNNI and AVX2,
+int16 elsewhere, `quant.activation_scheme`), and int8 (q8_0 blocks quantised at load from the dequantised fp32
+weights). Measured on an AMD EPYC (Zen 5, AVX-512 VNNI), 2026-12-02: perplexity +0.15% / -0.09% / -0.26%,
+top-1 agreement 97.07% / 97.46% / 97.85% (auto / auto_int / int8).
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def _measure(mode: str, deterministic: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def measured() -> dict[str, dict]:
-    # The prompt is scored by a prefill: 10+ rows take the kernel's fp32 tile path, so "auto" measures that
-    # one; deterministic mode keeps every row count on the int16-activation scheme that decode uses.
+    # The prompt is scored by a prefill: many rows take the kernel's many-rows path, so "auto" measures that
+    # one; deterministic mode keeps every row count on the micro-kernel that decode uses.
     return {"none": _measure("none"), "auto": _measure("auto"), "int8": _measure("int8"),
             "auto_int": _measure("auto", deterministic=True)}
 

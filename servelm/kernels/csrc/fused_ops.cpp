@@ -553,8 +553,8 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
 //   hidden, residual = add_rms_norm(out, residual); return down_proj(silu_and_mul(gate_up_proj(hidden))), residual
 // Each projection is one or more parts (runs of one format: a Q4_K_M file's Q4_K q/k beside a Q6_K v), six
 // tensors a part in `weights` (qs, d, m, qh, qh2, sc), `parts[i]` of them for projection i (qkv, o, gate_up,
-// down), their formats in `fmts`; `biases` one per projection, sliced along the parts. Part p takes the fp32
-// tile kernel from `tiles_from[p]` rows of x on (servelm.kernels.quant.decode_tiles_min_rows).
+// down), their formats in `fmts`; `biases` one per projection, sliced along the parts. Part p takes the
+// many-rows path (linear_tiles) from `tiles_from[p]` rows of x on (servelm.kernels.quant.tiles_min_rows).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& hidden, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm,
     const at::Tensor& post_norm, double eps, const c10::List<std::optional<at::Tensor>>& weights,

@@ -224,6 +224,22 @@ void gemm_avx512_vnni_i8(const XQ&, const QWeight&, const float*, float*, int64_
 // The same scheme on AVX2: vpmaddubsw + vpmaddwd, 32 weights an instruction pair.
 void gemm_avx2_i8(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 
+// x prepared for the int8 panel GEMM (panels_avx512_vnni.cpp): the int8 scheme's codes and scales (exactly
+// the decode kernel's), laid out by groups of 16 blocks (G = ceil(KB / 16)): codes int8 [M][G][8][64], slice i
+// of group g holding k 4i..4i+3 of block 16g + l in bytes 4l..4l+3; per row (stride ss = 2 * G * 16) fp32
+// s [G * 16] | xsum [G * 16] (d * the sum of the block's codes) and int32 corr [G * 16] | corr1 [G * 16]
+// (-offset * the block's sum of codes; split formats: of its first 16, then of its last 16). Zero past KB.
+struct XP {
+  const int8_t* q;
+  const float* s;
+  const int32_t* corr;
+  int64_t M;
+  int64_t G;
+  int64_t ss;
+};
+// y[:, n0:n1] = x @ W[n0:n1].T (+ bias) for the nibble formats, decoding kNp weight rows at a time.
+void panels_avx512_vnni_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
+
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x
 // fp32 [M, KB * 32], each output one sequential fp32 sum over k (plus the bias, last). Numerically fp32 on the

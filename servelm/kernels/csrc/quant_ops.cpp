@@ -111,38 +111,44 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
   }
 }
 
-// One row of x for the int8 scheme: per block of 32, d = amax / 127 and codes round(x * 127 / amax) in
-// [-127, 127] (llama.cpp's Q8_0 rounding of activations, d kept in fp32), written in the quad layout (see
-// XQ); d * the sum of each block's codes (formats with a minimum), the lane scales of each quad and -offset *
-// each lane's sum of codes (formats with an offset; split formats per half). Blocks KB..KBq-1 are zero padding.
+// One block of 32 for the int8 scheme: d = amax / 127 and codes round(x * 127 / amax) in [-127, 127]
+// (llama.cpp's Q8_0 rounding of activations, d kept in fp32); *sum = d * the sum of the codes (nan where x has
+// inf or nan: then the scale is nan too). The decode kernel and the panel GEMM both round x here.
+inline void quant_block_i8(const float* xb, int8_t code[kBlock], float* scale, float* sum) {
+  float amax;
+  *scale = 0.0f;
+  block_stats(xb, &amax, sum);
+  if (!std::isfinite(amax) || std::isnan(*sum)) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+  } else if (amax > 0.0f) {
+    *scale = amax / 127.0f;
+    const float inv = 127.0f / amax;
+    float v[kBlock];
+    for (int k = 0; k < kBlock; ++k) v[k] = (xb[k] * inv + 12582912.0f) - 12582912.0f;  // nearest even
+    int32_t isum = 0;
+    for (int k = 0; k < kBlock; ++k) {
+      code[k] = static_cast<int8_t>(std::clamp(v[k], -127.0f, 127.0f));
+      isum += code[k];
+    }
+    // The minimum term m * sum(x) takes the sum of the rounded x (llama.cpp's q8_1 `s`), not of x: then a
+    // row's error is sum((d * q + m) * e), that of the weight itself. The exact sum left sum(d * q * e),
+    // with q in 0..15 not centred: an error as large as |w - m| (top-1 agreement 93.3% -> 97.5% on the
+    // default model, docs/measurements/quant-kernels.md).
+    *sum = *scale * static_cast<float>(isum);
+  } else {
+    *sum = 0.0f;
+  }
+}
+
+// One row of x for the int8 scheme (quant_block_i8 per block), written in the quad layout (see XQ); d * the
+// sum of each block's codes (formats with a minimum), the lane scales of each quad and -offset * each lane's
+// sum of codes (formats with an offset; split formats per half). Blocks KB..KBq-1 are zero padding.
 void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s,
                  float* xsum, float* slane, int32_t* corr) {
   for (int64_t b = 0; b < KBq; ++b) {
     int8_t code[kBlock] = {0};
     float scale = 0.0f, sum = 0.0f;
-    if (b < KB) {
-      const float* xb = x + b * kBlock;
-      float amax;
-      block_stats(xb, &amax, &sum);
-      if (!std::isfinite(amax) || std::isnan(sum)) {
-        scale = std::numeric_limits<float>::quiet_NaN();
-      } else if (amax > 0.0f) {
-        scale = amax / 127.0f;
-        const float inv = 127.0f / amax;
-        float v[kBlock];
-        for (int k = 0; k < kBlock; ++k) v[k] = (xb[k] * inv + 12582912.0f) - 12582912.0f;  // nearest even
-        int32_t isum = 0;
-        for (int k = 0; k < kBlock; ++k) {
-          code[k] = static_cast<int8_t>(std::clamp(v[k], -127.0f, 127.0f));
-          isum += code[k];
-        }
-        // The minimum term m * sum(x) takes the sum of the rounded x (llama.cpp's q8_1 `s`), not of x: then a
-        // row's error is sum((d * q + m) * e), that of the weight itself. The exact sum left sum(d * q * e),
-        // with q in 0..15 not centred: an error as large as |w - m| (top-1 agreement 93.3% -> 97.5% on the
-        // default model, docs/measurements/quant-kernels.md).
-        sum = scale * static_cast<float>(isum);
-      }
-    }
+    if (b < KB) quant_block_i8(x + b * kBlock, code, &scale, &sum);
     s[b] = scale;
     if (xsum) xsum[b] = sum;
     // quad layout: [4t .. 4t+3's k 0..15] then [4t .. 4t+3's k 16..31]; lane l of the quad is block 4t + l / 4
@@ -167,6 +173,33 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
           c[16] = 0;
         }
       }
+  }
+}
+
+// One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8, by groups of 16
+// blocks with lane l = block l. `q` [G * 512], `s` [2 * G * 16] (scales | block sums), `corr` [2 * G * 16].
+void prep_row_panel(const float* x, int64_t KB, int64_t G, int offset, bool split, int8_t* q, float* s,
+                    int32_t* corr) {
+  const int64_t kbg = G * 16;
+  std::memset(q, 0, G * 16 * kBlock);
+  std::fill(s, s + 2 * kbg, 0.0f);
+  std::fill(corr, corr + 2 * kbg, 0);
+  for (int64_t b = 0; b < KB; ++b) {
+    int8_t code[kBlock] = {0};
+    quant_block_i8(x + b * kBlock, code, &s[b], &s[kbg + b]);
+    int8_t* dst = q + (b / 16) * 16 * kBlock + (b % 16) * 4;
+    int32_t lo = 0, hi = 0;
+    for (int i = 0; i < 8; ++i) std::memcpy(dst + i * 64, code + 4 * i, 4);
+    for (int k = 0; k < 16; ++k) {
+      lo += code[k];
+      hi += code[16 + k];
+    }
+    if (split) {
+      corr[b] = -offset * lo;
+      corr[kbg + b] = -offset * hi;
+    } else {
+      corr[b] = -offset * (lo + hi);
+    }
   }
 }
 
@@ -307,6 +340,31 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 #if defined(__x86_64__) || defined(_M_X64)
   if (base_isa(isa) >= kAvx512) fn = tiles_gemm_avx512;
   else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
+#endif
+#if defined(__x86_64__) || defined(_M_X64)
+  if (isa == kAvx512VnniI8 && w.fmt != Q8_0) {  // the int8 scheme's panel GEMM instead of fp32 tiles
+    const int64_t G = (w.KB + 15) / 16, ss = 2 * G * 16;
+    at::Tensor xq = at::empty({M, G * 16 * kBlock}, x.options().dtype(at::kChar));
+    at::Tensor xs = at::empty({M, ss}, x.options());
+    at::Tensor xc = at::empty({M, ss}, x.options().dtype(at::kInt));
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = xq.data_ptr<int8_t>();
+    float* sp = xs.data_ptr<float>();
+    int32_t* cp = xc.data_ptr<int32_t>();
+    const int off = fmt_offset(w.fmt);
+    const bool split = fmt_split(w.fmt);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i)
+        prep_row_panel(xp + i * kp, w.KB, G, off, split, qp + i * G * 16 * kBlock, sp + i * ss, cp + i * ss);
+    });
+    const XP xv{qp, sp, cp, M, G, ss};
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t kPanel = 16;  // panels_avx512_vnni.cpp's kNp
+    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t t0, int64_t t1) {
+      panels_avx512_vnni_i8(xv, w, bp, yp, t0 * kPanel, std::min(N, t1 * kPanel));
+    });
+    return y;
+  }
 #endif
   const int64_t nb = rows_per_tile(N, kp, isa);
   const float* xp = x.data_ptr<float>();
