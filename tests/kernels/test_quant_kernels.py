@@ -393,7 +393,7 @@ def test_int8_panel_gemm_matches_the_micro_kernel(fmt):
     """The panel GEMM (many rows on avx512_vnni_i8) rounds x to the micro-kernel's int8 codes and sums the same
     exact int32 block products, in another fp32 order: within fp32 rounding of the micro-kernel's rows, over
     N not a multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows
-    (K = 4,608 at 70 rows), blocks of very different scales, and a bias."""
+    (K = 4,608 from 70 rows) and outer blocks (500 rows), blocks of very different scales, and a bias."""
     g = torch.Generator().manual_seed(21)
     shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in K_QUANTS else ((67, 70), (13, 575), (40, 4608))
     try:
@@ -401,7 +401,7 @@ def test_int8_panel_gemm_matches_the_micro_kernel(fmt):
         for n, k in shapes:
             qw = _random_k(fmt, n, k, seed=n)[1] if fmt in K_QUANTS else _weight(n, k, fmt, seed=n)[1]
             bias = torch.randn(n, generator=g)
-            for m in (16, 37, 70, 130):
+            for m in (16, 37, 70, 130) + ((500,) if k == 4608 else ()):  # 500: two outer blocks of x's rows
                 x = torch.randn(m, k, generator=g)
                 x[0, :32] *= 1000
                 x[m // 2, -40:] = 0

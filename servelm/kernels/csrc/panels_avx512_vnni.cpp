@@ -166,13 +166,19 @@ void run(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0,
   scales.resize(2 * kNp * kbg);
   float* s0 = scales.data();
   float* s1 = s0 + kNp * kbg;
-  // x's rows in blocks of ~256 KB of codes (a multiple of kR), each block used against a whole panel from L2
-  const int64_t mb = std::max<int64_t>(kR, (256 << 10) / (G * kGroupBytes) / kR * kR);
+  // x's rows in blocks of ~256 KB of codes (a multiple of kR), each block used against a whole panel from L2;
+  // and in outer blocks of ~2 MB, which every panel of the thread's range meets from L3 before the next outer
+  // block (panels decoded again per outer block): a long prompt's x (a 64 x 128-token batch: 8,192 rows,
+  // 64 MB at K = 8,192) is then read from memory once, not once per panel.
+  const int64_t row_bytes = G * kGroupBytes;
+  const int64_t mb = std::max<int64_t>(kR, (256 << 10) / row_bytes / kR * kR);
+  const int64_t mo = std::max<int64_t>(mb, (2 << 20) / row_bytes / mb * mb);
+  for (int64_t o0 = 0; o0 < x.M; o0 += mo)
   for (int64_t n = n0; n < n1; n += kNp) {
     const int rows = static_cast<int>(std::min<int64_t>(kNp, n1 - n));
     decode_panel<F>(w, n, rows, G, codes.data(), s0, s1);
-    for (int64_t m0 = 0; m0 < x.M; m0 += mb) {
-      const int64_t m1 = std::min(x.M, m0 + mb);
+    for (int64_t m0 = o0; m0 < std::min(x.M, o0 + mo); m0 += mb) {
+      const int64_t m1 = std::min({x.M, m0 + mb, o0 + mo});
       for (int j0 = 0; j0 < rows; j0 += kNr) {
         const uint8_t* wc = codes.data() + j0 * G * kGroupBytes;
         for (int64_t i0 = m0; i0 < m1; i0 += kR) {
