@@ -87,12 +87,13 @@ TILES_MIN_ROWS = 10  # int16 scheme: rows of x from which `linear` takes the fp3
 # -0.09%, tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`: on
 # AVX-512 VNNI the int8 panel GEMM (csrc/panels_avx512_vnni.cpp), from PANEL_MIN_ROWS (Q6_K, whose micro-kernel
 # is the slowest: Q6K_PANEL_MIN_ROWS), the measured crossovers; on AVX2 the fp32 tiles, from
-# INT8_TILES_MIN_ROWS (Q6_K: Q6K_INT8_TILES_MIN_ROWS), where the micro-kernel stops being 1.3-2.7x faster
-# (docs/measurements/quant-kernels.md).
+# INT8_TILES_MIN_ROWS, where the micro-kernel stops being 1.3-2.7x faster, or for the formats with bit planes
+# (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is bound by expanding them, 65-118 GFLOP/s against the tiles'
+# 80-170 from 12 rows on) from PLANES_INT8_TILES_MIN_ROWS (docs/measurements/quant-kernels.md).
 PANEL_MIN_ROWS = 64
 Q6K_PANEL_MIN_ROWS = 16
 INT8_TILES_MIN_ROWS = 96
-Q6K_INT8_TILES_MIN_ROWS = 64
+PLANES_INT8_TILES_MIN_ROWS = 12
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -411,7 +412,7 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
         return TILES_MIN_ROWS
     if backend == "avx512_vnni_i8":
         return Q6K_PANEL_MIN_ROWS if fmt == "q6_k" else PANEL_MIN_ROWS
-    return Q6K_INT8_TILES_MIN_ROWS if fmt == "q6_k" else INT8_TILES_MIN_ROWS
+    return PLANES_INT8_TILES_MIN_ROWS if block_format(fmt).planes else INT8_TILES_MIN_ROWS
 
 
 def many_rows_scheme(fmt: str, backend: str | None = None) -> str:

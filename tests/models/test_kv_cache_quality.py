@@ -1,10 +1,10 @@
 """Quality of each KV-cache dtype (`--kv-cache-dtype`) on the default model (SmolLM2-135M-Instruct, its
 weights dequantised to fp32: `--quantization none`, so that the figures are the cache's alone; with the Q4_1
 blocks kept, the int8 rounding of activations turns any small change into its own +-0.2% of perplexity noise,
-as a re-roll of which codes round which way), against the fp32 cache: perplexity over the whole of tests/data's prose (~2k tokens, Pride and
-Prejudice ch. 1-2) within 0.1% for bfloat16 / float16 and within 1% for int8 and fp8_e4m3 (issue 21's bar;
-fp8_e5m2 misses it, see BOUND), and teacher-forced top-1 agreement reported beside it. `pytest -s` prints
-the figures."""
+as a re-roll of which codes round which way), against the fp32 cache: perplexity over the whole of
+tests/data's prose (~2k tokens, Pride and Prejudice ch. 1-2) within 0.1% for bfloat16 / float16 and within 1%
+for int8 and fp8_e4m3 (issue 21's bar; fp8_e5m2 misses it, see BOUND), and teacher-forced top-1 agreement
+reported beside it. `pytest -s` prints the figures."""
 
 from __future__ import annotations
 
