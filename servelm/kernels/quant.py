@@ -84,12 +84,12 @@ TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
 TILES_MIN_ROWS = 10  # int16 scheme: rows of x from which `linear` takes the fp32 tile kernel (not deterministic)
 # The int8 scheme (the nibble formats on avx512_vnni_i8 / avx2_i8) keeps x's int8 codes at every row count:
 # prompts too (the default model's 1,024-token text: teacher-forced top-1 agreement with fp32 97.5%, perplexity
-# -0.09%, tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`: on
-# AVX-512 VNNI the int8 panel GEMM (csrc/panels_avx512_vnni.cpp), from PANEL_MIN_ROWS (Q6_K, whose micro-kernel
-# is the slowest: Q6K_PANEL_MIN_ROWS), the measured crossovers; on AVX2 the fp32 tiles, from
-# INT8_TILES_MIN_ROWS, where the micro-kernel stops being 1.3-2.7x faster, or for the formats with bit planes
-# (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is bound by expanding them, 65-118 GFLOP/s against the tiles'
-# 80-170 from 12 rows on) from PLANES_INT8_TILES_MIN_ROWS (docs/measurements/quant-kernels.md).
+# -0.09%, tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`, the
+# int8 panel GEMM (csrc/panels_avx512_vnni.cpp, csrc/panels_avx2.cpp), at the measured crossovers: on AVX-512
+# VNNI from PANEL_MIN_ROWS (Q6_K, whose micro-kernel is the slowest: Q6K_PANEL_MIN_ROWS); on AVX2 from
+# INT8_TILES_MIN_ROWS, or for the formats with bit planes (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is bound by
+# expanding them, 65-118 GFLOP/s against the panel's 97-155 at 12-32 rows) from PLANES_INT8_TILES_MIN_ROWS
+# (docs/measurements/quant-kernels.md).
 PANEL_MIN_ROWS = 64
 Q6K_PANEL_MIN_ROWS = 16
 INT8_TILES_MIN_ROWS = 96
@@ -406,7 +406,7 @@ def kernel_backend() -> str:
 @cache
 def tiles_min_rows(fmt: str, backend: str) -> int:
     """Rows of x from which `linear` (outside deterministic mode) and `fused.decode_layer` leave the integer
-    micro-kernel for `linear_tiles`, the many-rows path: on avx512_vnni_i8 the int8 panel GEMM for the nibble
+    micro-kernel for `linear_tiles`, the many-rows path: on the int8 paths the int8 panel GEMM for the nibble
     formats, elsewhere the fp32 tiles (`many_rows_scheme`). `backend`: a kernel path."""
     if activation_scheme(fmt, backend) != "int8":
         return TILES_MIN_ROWS
@@ -419,7 +419,7 @@ def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
     its rows not bitwise the micro-kernel's) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
     backend = backend or kernel_backend()
-    return "int8" if backend == "avx512_vnni_i8" and fmt != "q8_0" else "fp32"
+    return "int8" if backend in ("avx512_vnni_i8", "avx2_i8") and fmt != "q8_0" else "fp32"
 
 
 def isa_index(backend: str | None = None) -> int:
@@ -449,7 +449,7 @@ def linear(x: torch.Tensor, qw: QuantWeight, bias: torch.Tensor | None = None, *
     """x @ W.T (+ bias): x fp32 [..., K] -> fp32 [..., N].
 
     From `tiles_min_rows(fmt, backend)` rows of x on, unless `invariant`, the C++ kernel takes its many-rows
-    path instead: the int8 panel GEMM on avx512_vnni_i8 (the nibble formats), else fp32 tiles (weights
+    path instead: the int8 panel GEMM on the int8 paths (the nibble formats), else fp32 tiles (weights
     dequantised into cache-sized tiles, fp32 FMA); measured in docs/measurements/quant-kernels.md. Its results
     differ in the last bits from the micro-kernel's, so `invariant=True` (deterministic mode) keeps every M on
     the micro-kernel.

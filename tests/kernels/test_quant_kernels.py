@@ -387,17 +387,17 @@ def test_k_quant_row_and_column_operations(fmt):
         quant.to_gguf(qw)
 
 
-@pytest.mark.skipif("avx512_vnni_i8" not in KERNELS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("path", INT8_PATHS)
 @pytest.mark.parametrize("fmt", [f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS))
-def test_int8_panel_gemm_matches_the_micro_kernel(fmt):
-    """The panel GEMM (many rows on avx512_vnni_i8) rounds x to the micro-kernel's int8 codes and sums the same
+def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
+    """The panel GEMM (many rows on the int8 paths) rounds x to the micro-kernel's int8 codes and sums the same
     exact int32 block products, in another fp32 order: within fp32 rounding of the micro-kernel's rows, over
     N not a multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows
     (K = 4,608 from 70 rows) and outer blocks (500 rows), blocks of very different scales, and a bias."""
     g = torch.Generator().manual_seed(21)
     shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in K_QUANTS else ((67, 70), (13, 575), (40, 4608))
     try:
-        quant.force_backend("avx512_vnni_i8")
+        quant.force_backend(path)
         for n, k in shapes:
             qw = _random_k(fmt, n, k, seed=n)[1] if fmt in K_QUANTS else _weight(n, k, fmt, seed=n)[1]
             bias = torch.randn(n, generator=g)
@@ -411,7 +411,7 @@ def test_int8_panel_gemm_matches_the_micro_kernel(fmt):
                 micro = quant.linear(x, qw, bias, invariant=True)
                 scale = x.double().abs() @ quant.dequantize(qw).double().abs().T + bias.double().abs()
                 assert bool(((many.double() - micro.double()).abs() <= 2e-6 * scale).all()), (n, k, m)
-                if m >= quant.tiles_min_rows(fmt, "avx512_vnni_i8"):
+                if m >= quant.tiles_min_rows(fmt, path):
                     assert torch.equal(quant.linear(x, qw, bias), many)
     finally:
         quant.force_backend(None)

@@ -8,11 +8,12 @@ flips with any change of rounding):
 * teacher-forced top-1 agreement with fp32 (the argmax after each prefix of the same text) of at least 97%.
 
 Both for Q4_1 kept (`auto`; the prompt is scored by a prefill, so many rows: the int8 panel GEMM on AVX-512
-VNNI, the fp32 tiles on AVX2 from 96 rows, `quant.many_rows_scheme`), Q4_1 kept on the micro-kernel that decode
+VNNI and AVX2, `quant.many_rows_scheme`), Q4_1 kept on the micro-kernel that decode
 uses (`auto_int`: deterministic mode keeps every row count on it; int8 activations on AVX-512 VNNI and AVX2,
 int16 elsewhere, `quant.activation_scheme`), and int8 (q8_0 blocks quantised at load from the dequantised fp32
 weights). Measured on an AMD EPYC (Zen 5, AVX-512 VNNI), 2026-12-02: perplexity +0.15% / -0.09% / -0.26%,
-top-1 agreement 97.07% / 97.46% / 97.85% (auto / auto_int / int8).
+top-1 agreement 97.07% / 97.46% / 97.85% (auto / auto_int / int8); with SERVELM_QUANT_KERNEL=avx2_i8 +0.19% /
+-0.16% and 97.07% / 97.26% for auto / auto_int.
 """
 
 from __future__ import annotations

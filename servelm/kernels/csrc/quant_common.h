@@ -224,11 +224,12 @@ void gemm_avx512_vnni_i8(const XQ&, const QWeight&, const float*, float*, int64_
 // The same scheme on AVX2: vpmaddubsw + vpmaddwd, 32 weights an instruction pair.
 void gemm_avx2_i8(const XQ&, const QWeight&, const float*, float*, int64_t, int64_t);
 
-// x prepared for the int8 panel GEMM (panels_avx512_vnni.cpp): the int8 scheme's codes and scales (exactly
-// the decode kernel's), laid out by groups of 16 blocks (G = ceil(KB / 16)): codes int8 [M][G][8][64], slice i
-// of group g holding k 4i..4i+3 of block 16g + l in bytes 4l..4l+3; per row (stride ss = 2 * G * 16) fp32
-// s [G * 16] | xsum [G * 16] (d * the sum of the block's codes) and int32 corr [G * 16] | corr1 [G * 16]
-// (-offset * the block's sum of codes; split formats: of its first 16, then of its last 16). Zero past KB.
+// x prepared for the int8 panel GEMM (panels_avx512_vnni.cpp, panels_avx2.cpp): the int8 scheme's codes and
+// scales (exactly the decode kernel's), laid out by groups of gb blocks (gb = 16 on AVX-512, 8 on AVX2: a
+// vector's int32 lanes; G = ceil(KB / gb)): codes int8 [M][G][8][gb * 4], slice i of group g holding
+// k 4i..4i+3 of block gb * g + l in bytes 4l..4l+3; per row (stride ss = 2 * G * gb) fp32 s [G * gb] | xsum
+// [G * gb] (d * the sum of the block's codes) and int32 corr [G * gb] | corr1 [G * gb] (-offset * the block's
+// sum of codes; split formats: of its first 16, then of its last 16). Zero past KB.
 struct XP {
   const int8_t* q;
   const float* s;
@@ -239,6 +240,7 @@ struct XP {
 };
 // y[:, n0:n1] = x @ W[n0:n1].T (+ bias) for the nibble formats, decoding kNp weight rows at a time.
 void panels_avx512_vnni_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
+void panels_avx2_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x

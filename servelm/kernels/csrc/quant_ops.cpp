@@ -176,20 +176,21 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
   }
 }
 
-// One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8, by groups of 16
-// blocks with lane l = block l. `q` [G * 512], `s` [2 * G * 16] (scales | block sums), `corr` [2 * G * 16].
-void prep_row_panel(const float* x, int64_t KB, int64_t G, int offset, bool split, int8_t* q, float* s,
-                    int32_t* corr) {
-  const int64_t kbg = G * 16;
-  std::memset(q, 0, G * 16 * kBlock);
+// One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8, by groups of gb
+// blocks (16 on AVX-512, 8 on AVX2) with lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales |
+// block sums), `corr` [2 * G * gb].
+void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, int8_t* q,
+                    float* s, int32_t* corr) {
+  const int64_t kbg = G * gb;
+  std::memset(q, 0, G * gb * kBlock);
   std::fill(s, s + 2 * kbg, 0.0f);
   std::fill(corr, corr + 2 * kbg, 0);
   for (int64_t b = 0; b < KB; ++b) {
     int8_t code[kBlock] = {0};
     quant_block_i8(x + b * kBlock, code, &s[b], &s[kbg + b]);
-    int8_t* dst = q + (b / 16) * 16 * kBlock + (b % 16) * 4;
+    int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
     int32_t lo = 0, hi = 0;
-    for (int i = 0; i < 8; ++i) std::memcpy(dst + i * 64, code + 4 * i, 4);
+    for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
     for (int k = 0; k < 16; ++k) {
       lo += code[k];
       hi += code[16 + k];
@@ -342,9 +343,10 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
-  if (isa == kAvx512VnniI8 && w.fmt != Q8_0) {  // the int8 scheme's panel GEMM instead of fp32 tiles
-    const int64_t G = (w.KB + 15) / 16, ss = 2 * G * 16;
-    at::Tensor xq = at::empty({M, G * 16 * kBlock}, x.options().dtype(at::kChar));
+  if (int8_scheme(isa) && w.fmt != Q8_0) {  // the int8 scheme's panel GEMM instead of fp32 tiles
+    const int64_t gb = isa == kAvx2I8 ? 8 : 16;  // blocks per group: the int32 lanes of a vector
+    const int64_t G = (w.KB + gb - 1) / gb, ss = 2 * G * gb;
+    at::Tensor xq = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kChar));
     at::Tensor xs = at::empty({M, ss}, x.options());
     at::Tensor xc = at::empty({M, ss}, x.options().dtype(at::kInt));
     const float* xp = x.data_ptr<float>();
@@ -355,13 +357,14 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const bool split = fmt_split(w.fmt);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t i = m0; i < m1; ++i)
-        prep_row_panel(xp + i * kp, w.KB, G, off, split, qp + i * G * 16 * kBlock, sp + i * ss, cp + i * ss);
+        prep_row_panel(xp + i * kp, w.KB, G, gb, off, split, qp + i * G * gb * kBlock, sp + i * ss, cp + i * ss);
     });
     const XP xv{qp, sp, cp, M, G, ss};
     float* yp = y.data_ptr<float>();
-    constexpr int64_t kPanel = 16;  // panels_avx512_vnni.cpp's kNp
+    constexpr int64_t kPanel = 16;  // the panel files' kNp
+    const auto fn = isa == kAvx2I8 ? panels_avx2_i8 : panels_avx512_vnni_i8;
     at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t t0, int64_t t1) {
-      panels_avx512_vnni_i8(xv, w, bp, yp, t0 * kPanel, std::min(N, t1 * kPanel));
+      fn(xv, w, bp, yp, t0 * kPanel, std::min(N, t1 * kPanel));
     });
     return y;
   }

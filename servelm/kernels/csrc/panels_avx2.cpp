@@ -1,0 +1,176 @@
+// The int8 panel GEMM of panels_avx512_vnni.cpp on AVX2 (path avx2_i8): the same scheme and x codes, groups of
+// 8 blocks (lane l = block l of a ymm), the dot products as vpmaddubsw (unsigned weight codes x int8 x, pairs
+// summed to int16: at most 2 x 63 x 127, so two slices' sums still fit) + vpmaddwd with ones (to int32). The
+// weights are decoded a panel of kNp rows at a time, block by block (nibbles and bit planes to bytes, then
+// each 4-byte group to its slice), and used against every row of x.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "quant_common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace servelm_quant {
+namespace {
+
+constexpr int kGb = 8;                          // blocks per group (int32 lanes of a ymm)
+constexpr int kNp = 16;                         // weight rows per decoded panel
+constexpr int kNr = 2;                          // weight rows per micro-tile
+constexpr int kR = 3;                           // rows of x per micro-tile
+constexpr int64_t kGroupBytes = kGb * kBlock;   // one group: 8 slices of 32 bytes
+constexpr int64_t kSlice = kGb * 4;
+
+// The 32 bits of a plane word as 32 bytes, 0 or `value` (bit k -> byte k).
+inline __m256i plane_bytes(uint32_t bits, uint8_t value) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                                              2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                          _mm256_set1_epi8(static_cast<char>(value)));
+}
+
+// Rows [n, n + rows) of w into a panel: codes [kNp][G][8 slices][32], s0/s1 [kNp][G * 8] (see the AVX-512 file).
+template <Fmt F>
+void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* codes, float* s0, float* s1) {
+  const int64_t kb = w.KB, kbg = G * kGb;
+  const __m128i low4 = _mm_set1_epi8(0x0f);
+  for (int j = 0; j < kNp; ++j) {
+    uint8_t* cj = codes + j * G * kGroupBytes;
+    float* s0j = s0 + j * kbg;
+    float* s1j = s1 + j * kbg;
+    std::memset(cj, 0, G * kGroupBytes);
+    std::fill(s1j, s1j + kbg, 0.0f);
+    if (j >= rows) {
+      std::fill(s0j, s0j + kbg, 0.0f);
+      continue;
+    }
+    const int64_t row = n + j;
+    row_scales_ref(w, row, s0j, s1j, kbg);
+    for (int64_t b = 0; b < kb; ++b) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (row * kb + b) * 16));
+      __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
+      if constexpr (Traits<F>::planes >= 1) c = _mm256_add_epi8(c, plane_bytes(block_word(w.qh, w, row, b), 16));
+      if constexpr (Traits<F>::planes >= 2) c = _mm256_add_epi8(c, plane_bytes(block_word(w.qh2, w, row, b), 32));
+      alignas(32) uint32_t dw[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dw), c);
+      uint8_t* dst = cj + (b / kGb) * kGroupBytes + (b % kGb) * 4;
+      for (int i = 0; i < 8; ++i) std::memcpy(dst + i * kSlice, &dw[i], 4);
+    }
+  }
+}
+
+template <Fmt F, int R>
+inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G, const XP& x, int64_t i0,
+                  float out[kNr][kR]) {
+  constexpr bool split = Traits<F>::split, off = Traits<F>::offset != 0;
+  const int64_t kbg = G * kGb, wstride = G * kGroupBytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[kNr][R];
+  for (int j = 0; j < kNr; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t gb = g * kGb;
+    for (int h = 0; h < (split ? 2 : 1); ++h) {
+      __m256i ia[kNr][R];
+      for (int r = 0; r < R; ++r) {
+        const __m256i c = off ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + (i0 + r) * x.ss +
+                                                                                     h * kbg + gb))
+                              : _mm256_setzero_si256();
+        for (int j = 0; j < kNr; ++j) ia[j][r] = c;
+      }
+      const int i0s = split ? 4 * h : 0, i1s = split ? 4 * h + 4 : 8;
+      for (int i = i0s; i < i1s; i += 2) {  // two slices summed in int16, then widened
+        for (int j = 0; j < kNr; ++j) {
+          const uint8_t* wp = wc + j * wstride + g * kGroupBytes + i * kSlice;
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kSlice));
+          for (int r = 0; r < R; ++r) {
+            const int8_t* xp = x.q + (i0 + r) * wstride + g * kGroupBytes + i * kSlice;
+            const __m256i p = _mm256_add_epi16(
+                _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
+                _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kSlice))));
+            ia[j][r] = _mm256_add_epi32(ia[j][r], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+      const float* ws = (split && h) ? s1 : s0;
+      for (int j = 0; j < kNr; ++j) {
+        const __m256 wsv = _mm256_loadu_ps(ws + j * kbg + gb);
+        for (int r = 0; r < R; ++r)
+          acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[j][r]),
+                                      _mm256_mul_ps(wsv, _mm256_loadu_ps(x.s + (i0 + r) * x.ss + gb)), acc[j][r]);
+      }
+    }
+    if constexpr (Traits<F>::has_min) {
+      for (int j = 0; j < kNr; ++j) {
+        const __m256 wm = _mm256_loadu_ps(s1 + j * kbg + gb);
+        for (int r = 0; r < R; ++r)
+          acc[j][r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.s + (i0 + r) * x.ss + kbg + gb), acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < kNr; ++j)
+    for (int r = 0; r < R; ++r) {
+      const __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc[j][r]), _mm256_extractf128_ps(acc[j][r], 1));
+      const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+      out[j][r] = _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+    }
+}
+
+template <Fmt F>
+void run(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  const int64_t G = x.G, kbg = G * kGb;
+  thread_local std::vector<uint8_t> codes;
+  thread_local std::vector<float> scales;
+  codes.resize(kNp * G * kGroupBytes);
+  scales.resize(2 * kNp * kbg);
+  float* s0 = scales.data();
+  float* s1 = s0 + kNp * kbg;
+  const int64_t row_bytes = G * kGroupBytes;  // x's rows in L2 blocks and ~2 MB outer blocks, as on AVX-512
+  const int64_t mb = std::max<int64_t>(kR, (256 << 10) / row_bytes / kR * kR);
+  const int64_t mo = std::max<int64_t>(mb, (2 << 20) / row_bytes / mb * mb);
+  for (int64_t o0 = 0; o0 < x.M; o0 += mo)
+  for (int64_t n = n0; n < n1; n += kNp) {
+    const int rows = static_cast<int>(std::min<int64_t>(kNp, n1 - n));
+    decode_panel<F>(w, n, rows, G, codes.data(), s0, s1);
+    for (int64_t m0 = o0; m0 < std::min(x.M, o0 + mo); m0 += mb) {
+      const int64_t m1 = std::min({x.M, m0 + mb, o0 + mo});
+      for (int j0 = 0; j0 < rows; j0 += kNr) {
+        const uint8_t* wc = codes.data() + j0 * G * kGroupBytes;
+        for (int64_t i0 = m0; i0 < m1; i0 += kR) {
+          const int r = static_cast<int>(std::min<int64_t>(kR, m1 - i0));
+          float out[kNr][kR];
+          const float* a = s0 + j0 * kbg;
+          const float* b = s1 + j0 * kbg;
+          if (r == kR) micro<F, kR>(wc, a, b, G, x, i0, out);
+          else if (r == 1) micro<F, 1>(wc, a, b, G, x, i0, out);
+          else micro<F, 2 % kR>(wc, a, b, G, x, i0, out);
+          const int nj = std::min(kNr, rows - j0);
+          for (int rr = 0; rr < r; ++rr)
+            for (int j = 0; j < nj; ++j) {
+              const int64_t col = n + j0 + j;
+              y[(i0 + rr) * w.N + col] = bias ? out[j][rr] + bias[col] : out[j][rr];
+            }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void panels_avx2_i8(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  dispatch_fmt(w.fmt, [&](auto f) {
+    constexpr Fmt F = decltype(f)::value;
+    if constexpr (Traits<F>::nibbles) run<F>(x, w, bias, y, n0, n1);
+  });
+}
+
+}  // namespace servelm_quant
+
+#pragma GCC pop_options
