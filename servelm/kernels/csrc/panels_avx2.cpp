@@ -122,45 +122,7 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
     }
 }
 
-template <Fmt F>
-void run(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
-  const int64_t G = x.G, kbg = G * kGb;
-  thread_local std::vector<uint8_t> codes;
-  thread_local std::vector<float> scales;
-  codes.resize(kNp * G * kGroupBytes);
-  scales.resize(2 * kNp * kbg);
-  float* s0 = scales.data();
-  float* s1 = s0 + kNp * kbg;
-  const int64_t row_bytes = G * kGroupBytes;  // x's rows in L2 blocks and ~2 MB outer blocks, as on AVX-512
-  const int64_t mb = std::max<int64_t>(kR, (256 << 10) / row_bytes / kR * kR);
-  const int64_t mo = std::max<int64_t>(mb, (2 << 20) / row_bytes / mb * mb);
-  for (int64_t o0 = 0; o0 < x.M; o0 += mo)
-  for (int64_t n = n0; n < n1; n += kNp) {
-    const int rows = static_cast<int>(std::min<int64_t>(kNp, n1 - n));
-    decode_panel<F>(w, n, rows, G, codes.data(), s0, s1);
-    for (int64_t m0 = o0; m0 < std::min(x.M, o0 + mo); m0 += mb) {
-      const int64_t m1 = std::min({x.M, m0 + mb, o0 + mo});
-      for (int j0 = 0; j0 < rows; j0 += kNr) {
-        const uint8_t* wc = codes.data() + j0 * G * kGroupBytes;
-        for (int64_t i0 = m0; i0 < m1; i0 += kR) {
-          const int r = static_cast<int>(std::min<int64_t>(kR, m1 - i0));
-          float out[kNr][kR];
-          const float* a = s0 + j0 * kbg;
-          const float* b = s1 + j0 * kbg;
-          if (r == kR) micro<F, kR>(wc, a, b, G, x, i0, out);
-          else if (r == 1) micro<F, 1>(wc, a, b, G, x, i0, out);
-          else micro<F, 2 % kR>(wc, a, b, G, x, i0, out);
-          const int nj = std::min(kNr, rows - j0);
-          for (int rr = 0; rr < r; ++rr)
-            for (int j = 0; j < nj; ++j) {
-              const int64_t col = n + j0 + j;
-              y[(i0 + rr) * w.N + col] = bias ? out[j][rr] + bias[col] : out[j][rr];
-            }
-        }
-      }
-    }
-  }
-}
+#include "panels_driver.inc"
 
 }  // namespace
 

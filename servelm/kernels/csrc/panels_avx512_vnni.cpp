@@ -25,10 +25,11 @@
 namespace servelm_quant {
 namespace {
 
+constexpr int kGb = 16;  // blocks per group (int32 lanes of a zmm)
 constexpr int kNp = 16;  // weight rows per decoded panel
 constexpr int kNr = 4;   // weight rows per micro-tile
 constexpr int kR = 3;    // rows of x per micro-tile
-constexpr int64_t kGroupBytes = 16 * kBlock;  // one group of 16 blocks: 8 slices of 64 bytes
+constexpr int64_t kGroupBytes = kGb * kBlock;  // one group of 16 blocks: 8 slices of 64 bytes
 
 // 4 registers whose 128-bit lane i is row i of a 4x4 grid of 128-bit lanes -> out[i] = column i.
 inline void transpose_lanes(const __m512i t[4], __m512i out[4]) {
@@ -45,7 +46,7 @@ inline void transpose_lanes(const __m512i t[4], __m512i out[4]) {
 // zero past KB). Rows past `rows` are zero.
 template <Fmt F>
 void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* codes, float* s0, float* s1) {
-  const int64_t kb = w.KB, kp = plane_stride(w), kbg = G * 16;
+  const int64_t kb = w.KB, kp = plane_stride(w), kbg = G * kGb;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
   const __m512i sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
   // a quad's 16 dwords are (block e, k 4i..) at 4e + i; to (i, e) at 4i + e
@@ -107,7 +108,7 @@ template <Fmt F, int R>
 inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G, const XP& x, int64_t i0,
                   float out[kNr][kR]) {
   constexpr bool split = Traits<F>::split, off = Traits<F>::offset != 0;
-  const int64_t kbg = G * 16, wstride = G * kGroupBytes;
+  const int64_t kbg = G * kGb, wstride = G * kGroupBytes;
   __m512 acc[kNr][R];
   for (int j = 0; j < kNr; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
@@ -157,53 +158,7 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
     for (int r = 0; r < R; ++r) out[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
-template <Fmt F>
-void run(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
-  const int64_t G = x.G, kbg = G * 16;
-  thread_local std::vector<uint8_t> codes;
-  thread_local std::vector<float> scales;
-  codes.resize(kNp * G * kGroupBytes);
-  scales.resize(2 * kNp * kbg);
-  float* s0 = scales.data();
-  float* s1 = s0 + kNp * kbg;
-  // x's rows in blocks of ~256 KB of codes (a multiple of kR), each block used against a whole panel from L2;
-  // and in outer blocks of ~2 MB, which every panel of the thread's range meets from L3 before the next outer
-  // block (panels decoded again per outer block): a long prompt's x (a 64 x 128-token batch: 8,192 rows,
-  // 64 MB at K = 8,192) is then read from memory once, not once per panel.
-  const int64_t row_bytes = G * kGroupBytes;
-  const int64_t mb = std::max<int64_t>(kR, (256 << 10) / row_bytes / kR * kR);
-  const int64_t mo = std::max<int64_t>(mb, (2 << 20) / row_bytes / mb * mb);
-  for (int64_t o0 = 0; o0 < x.M; o0 += mo)
-  for (int64_t n = n0; n < n1; n += kNp) {
-    const int rows = static_cast<int>(std::min<int64_t>(kNp, n1 - n));
-    decode_panel<F>(w, n, rows, G, codes.data(), s0, s1);
-    for (int64_t m0 = o0; m0 < std::min(x.M, o0 + mo); m0 += mb) {
-      const int64_t m1 = std::min({x.M, m0 + mb, o0 + mo});
-      for (int j0 = 0; j0 < rows; j0 += kNr) {
-        const uint8_t* wc = codes.data() + j0 * G * kGroupBytes;
-        for (int64_t i0 = m0; i0 < m1; i0 += kR) {
-          const int r = static_cast<int>(std::min<int64_t>(kR, m1 - i0));
-          float out[kNr][kR];
-          const float* a = s0 + j0 * kbg;
-          const float* b = s1 + j0 * kbg;
-          if (r == kR) micro<F, kR>(wc, a, b, G, x, i0, out);
-          else if (r == 1) micro<F, 1>(wc, a, b, G, x, i0, out);
-          else if (r == 2) micro<F, 2>(wc, a, b, G, x, i0, out);
-          else if constexpr (kR > 3) {
-            if (r == 3) micro<F, 3 % kR>(wc, a, b, G, x, i0, out);
-            else micro<F, 4 % kR>(wc, a, b, G, x, i0, out);
-          }
-          const int nj = std::min(kNr, rows - j0);
-          for (int rr = 0; rr < r; ++rr)
-            for (int j = 0; j < nj; ++j) {
-              const int64_t col = n + j0 + j;
-              y[(i0 + rr) * w.N + col] = bias ? out[j][rr] + bias[col] : out[j][rr];
-            }
-        }
-      }
-    }
-  }
-}
+#include "panels_driver.inc"
 
 }  // namespace
 
