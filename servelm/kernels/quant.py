@@ -83,8 +83,9 @@ SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
 TILES_MIN_ROWS = 10  # int16 scheme: rows of x from which `linear` takes the fp32 tile kernel (not deterministic)
 # The int8 scheme (the nibble formats on avx512_vnni_i8 / avx2_i8) keeps x's int8 codes at every row count:
-# prompts too (the default model's 1,024-token text: teacher-forced top-1 agreement with fp32 97.5%, perplexity
-# -0.09%, tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`, the
+# prompts too (the default model's 1,024-token text, against fp32: teacher-forced top-1 agreement 97.1% and
+# perplexity +0.15% with the prompt through the panel GEMM, 97.5% and -0.09% on the micro-kernel alone;
+# tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`, the
 # int8 panel GEMM (csrc/panels_avx512_vnni.cpp, csrc/panels_avx2.cpp), at the measured crossovers: on AVX-512
 # VNNI from PANEL_MIN_ROWS (Q6_K, whose micro-kernel is the slowest: Q6K_PANEL_MIN_ROWS); on AVX2 from
 # INT8_TILES_MIN_ROWS, or for the formats with bit planes (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is bound by
