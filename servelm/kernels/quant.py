@@ -419,8 +419,7 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
 def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
     its rows not bitwise the micro-kernel's) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
-    backend = backend or kernel_backend()
-    return "int8" if backend in ("avx512_vnni_i8", "avx2_i8") and fmt != "q8_0" else "fp32"
+    return "int8" if activation_scheme(fmt, backend) == "int8" else "fp32"
 
 
 def isa_index(backend: str | None = None) -> int:

@@ -18,7 +18,7 @@ namespace servelm_quant {
 namespace {
 
 constexpr int kGb = 8;                          // blocks per group (int32 lanes of a ymm)
-constexpr int kNp = 16;                         // weight rows per decoded panel
+constexpr int kNp = kPanelRows;                 // weight rows per decoded panel
 constexpr int kNr = 2;                          // weight rows per micro-tile
 constexpr int kR = 3;                           // rows of x per micro-tile
 constexpr int64_t kGroupBytes = kGb * kBlock;   // one group: 8 slices of 32 bytes
@@ -127,10 +127,7 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
 }  // namespace
 
 void panels_avx2_i8(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
-  dispatch_fmt(w.fmt, [&](auto f) {
-    constexpr Fmt F = decltype(f)::value;
-    if constexpr (Traits<F>::nibbles) run<F>(x, w, bias, y, n0, n1);
-  });
+  run_any(x, w, bias, y, n0, n1);
 }
 
 }  // namespace servelm_quant

@@ -26,7 +26,7 @@ namespace servelm_quant {
 namespace {
 
 constexpr int kGb = 16;  // blocks per group (int32 lanes of a zmm)
-constexpr int kNp = 16;  // weight rows per decoded panel
+constexpr int kNp = kPanelRows;  // weight rows per decoded panel
 constexpr int kNr = 4;   // weight rows per micro-tile
 constexpr int kR = 3;    // rows of x per micro-tile
 constexpr int64_t kGroupBytes = kGb * kBlock;  // one group of 16 blocks: 8 slices of 64 bytes
@@ -121,7 +121,7 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
     xc[r] = x.corr + (i0 + r) * x.ss;
   }
   for (int64_t g = 0; g < G; ++g) {
-    const int64_t gb = g * 16;
+    const int64_t gb = g * kGb;
     for (int h = 0; h < (split ? 2 : 1); ++h) {
       __m512i ia[kNr][R];
       for (int r = 0; r < R; ++r) {
@@ -163,10 +163,7 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
 }  // namespace
 
 void panels_avx512_vnni_i8(const XP& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
-  dispatch_fmt(w.fmt, [&](auto f) {
-    constexpr Fmt F = decltype(f)::value;
-    if constexpr (Traits<F>::nibbles) run<F>(x, w, bias, y, n0, n1);
-  });
+  run_any(x, w, bias, y, n0, n1);
 }
 
 }  // namespace servelm_quant

@@ -238,7 +238,9 @@ struct XP {
   int64_t G;
   int64_t ss;
 };
-// y[:, n0:n1] = x @ W[n0:n1].T (+ bias) for the nibble formats, decoding kNp weight rows at a time.
+// y[:, n0:n1] = x @ W[n0:n1].T (+ bias) for the nibble formats, decoding kPanelRows weight rows at a time
+// (the callers hand each thread whole panels).
+constexpr int kPanelRows = 16;
 void panels_avx512_vnni_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 void panels_avx2_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 

@@ -361,10 +361,9 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     });
     const XP xv{qp, sp, cp, M, G, ss};
     float* yp = y.data_ptr<float>();
-    constexpr int64_t kPanel = 16;  // the panel files' kNp
     const auto fn = isa == kAvx2I8 ? panels_avx2_i8 : panels_avx512_vnni_i8;
-    at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t t0, int64_t t1) {
-      fn(xv, w, bp, yp, t0 * kPanel, std::min(N, t1 * kPanel));
+    at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t t0, int64_t t1) {
+      fn(xv, w, bp, yp, t0 * kPanelRows, std::min(N, t1 * kPanelRows));
     });
     return y;
   }
