@@ -80,6 +80,21 @@ class ServerProcess:
         except psutil.Error:
             return []
 
+    def wait_exit(self, timeout: float) -> int:
+        """The server's exit code, once it exits by itself within `timeout`; otherwise an AssertionError
+        that shows what was still running and the end of the server's log (so a CI failure says why)."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            procs = []
+            for p in [psutil.Process(self.proc.pid), *self.children()]:
+                try:
+                    procs.append(f"{p.pid} {p.status()} {' '.join(p.cmdline())[:120]}")
+                except psutil.Error:
+                    pass
+            raise AssertionError(f"server still running after {timeout:g}s:\n" + "\n".join(procs)
+                                 + f"\n--- log ---\n{self.log()[-4000:]}") from None
+
     def wait_ready(self, timeout: float = 120.0, headers: dict[str, str] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -113,9 +113,13 @@ class TPWorkers:
 
         def run() -> None:
             multiprocessing.connection.wait(sentinels)  # returns when a worker has ended
-            if self._stopping or self.report_death() is None:
+            if self._stopping:
                 return
-            if on_death == "exit":
+            if self.report_death() is None and not self._stopping:
+                # A sentinel fired, so a worker ended, but its exit code could not be read in time
+                # (it was reaped elsewhere, or the machine is too busy to see it): still a death.
+                logger.critical("A TP worker of this node ended unexpectedly; shutting down")
+            if on_death == "exit" and not self._stopping:
                 os._exit(1)
 
         if sentinels:

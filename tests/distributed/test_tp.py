@@ -118,7 +118,7 @@ def test_server_tp2_matches_offline_tp1(tiny_models, tmp_path) -> None:
         assert len(workers) == 1  # TP rank 1
         children = srv.children()
         workers[0].kill()
-        code = srv.proc.wait(timeout=30)
+        code = srv.wait_exit(30)
         assert code != 0
         assert "TP rank 1 died" in srv.log()
         time.sleep(0.5)

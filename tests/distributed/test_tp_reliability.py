@@ -222,7 +222,7 @@ def test_killed_rank_is_named_once_and_the_server_exits(victim: int, tiny_tp_mod
         assert started.wait(60) and len(chunks) >= 3, srv.log()[-3000:]  # the request is running
         killed_at = time.monotonic()
         os.kill(pids[victim], signal.SIGKILL)
-        code = srv.proc.wait(timeout=30)  # far sooner than --dist-timeout: not a timeout's doing
+        code = srv.wait_exit(30)  # far sooner than --dist-timeout: not a timeout's doing
         assert code != 0
         assert time.monotonic() - killed_at < 30
         # Nothing left behind: the scheduler, the other ranks, multiprocessing's resource tracker.
