@@ -102,6 +102,20 @@ class ServerArgs:
     random_seed: int = _opt(0, "Seed for sampling when a request gives none.")
     enable_deterministic_inference: bool = _opt(False, "Batch-invariant kernels and sampling.")
 
+    # Speculative decoding (servelm.speculative)
+    speculative_algorithm: str | None = _opt(None, "Speculative decoding without a draft model: ngram (the "
+                                             "request's own context proposes the tokens that followed its last "
+                                             "tokens there; vLLM's prompt lookup) or suffix (also the prompts and "
+                                             "outputs of recent requests). Output is unchanged; copy-heavy tasks "
+                                             "(editing, quoting) decode faster.")
+    speculative_num_draft_tokens: int = _opt(4, "Most draft tokens a request gets per step (adapted per request).")
+    speculative_ngram_min_match_window_size: int = _opt(2, "Shortest run of recent tokens that must match.")
+    speculative_ngram_max_match_window_size: int = _opt(8, "Longest run of recent tokens tried first.")
+    speculative_max_batch: int = _opt(8, "Speculate only while at most this many requests decode at once.")
+    speculative_config: str | None = _opt(None, "vLLM's JSON form, as an alias: '{\"method\": \"ngram\", "
+                                          "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 8, "
+                                          "\"prompt_lookup_min\": 2}' (method ngram or suffix).")
+
     # Parallelism
     tp_size: int = _opt(1, "Tensor-parallel size.", aliases=("--tp", "--tensor-parallel-size"))
     nnodes: int = _opt(1, "Number of nodes.")
@@ -139,6 +153,15 @@ class ServerArgs:
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)
+        if self.speculative_config is not None:
+            from servelm.speculative import parse_vllm_config
+
+            for name, value in parse_vllm_config(self.speculative_config).items():
+                object.__setattr__(self, name, value)
+            object.__setattr__(self, "speculative_config", None)  # now in the fields (replace() must not redo it)
+        if self.speculative_algorithm is not None:
+            object.__setattr__(self, "speculative_algorithm", self.speculative_algorithm.lower())
+            self.spec_config()  # validates
         if self.tool_call_parser not in (None, "auto"):
             from servelm.entrypoints.tool_parsers import parsers
 
@@ -165,6 +188,16 @@ class ServerArgs:
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
         """The flags, then the --config file's keys for flags the command line did not give."""
         return cls(**values_of(ns, cls))
+
+    def spec_config(self) -> Any:
+        """The speculative decoding settings (servelm.speculative.SpecConfig), or None when it is off."""
+        if self.speculative_algorithm is None:
+            return None
+        from servelm.speculative import SpecConfig
+
+        return SpecConfig(self.speculative_algorithm, self.speculative_num_draft_tokens,
+                          self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
+                          self.speculative_max_batch)
 
     @property
     def tp_ranks_per_node(self) -> int:

@@ -43,7 +43,8 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                           model_context_len=runner.model_context_len,
                           disable_radix_cache=server_args.disable_radix_cache,
                           random_seed=server_args.random_seed,
-                          deterministic=server_args.enable_deterministic_inference)
+                          deterministic=server_args.enable_deterministic_inference,
+                          speculative=server_args.spec_config())
     disk = None
     if server_args.prefix_cache_dir and not server_args.disable_radix_cache:
         from servelm.mem_cache.disk_cache import DiskPrefixCache

@@ -27,6 +27,7 @@ from servelm.managers.schedule_batch import SampleOutput, SamplingRow, StepInput
 from servelm.mem_cache.allocator import PageAllocator, slots_for
 from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, TreeNode, check_integrity
 from servelm.sampling_params import SamplingParams, context_length_error, token_ids_error
+from servelm.speculative import Proposer, SpecConfig, SpecState
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,8 @@ class Req:
     arrival: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None
     first_token_at: float | None = None
+    spec: SpecState | None = None  # speculative decoding: its adaptive draft length (servelm.speculative)
+    draft: list[int] = field(default_factory=list)  # this step's draft tokens (verified in the step)
 
     @property
     def prompt_positions_to_score(self) -> range:
@@ -104,6 +107,7 @@ class SchedulerConfig:
     disable_radix_cache: bool = False
     random_seed: int = 0
     deterministic: bool = False
+    speculative: SpecConfig | None = None
 
 
 class Scheduler:
@@ -133,6 +137,7 @@ class Scheduler:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "cached_tokens": 0, "retractions": 0,
                       "finished": 0, "aborted": 0, "disk_cached_tokens": 0}
         self.last_step_tokens = 0  # the last step's tokens as vLLM's iteration_tokens_total counts them
+        self.spec = Proposer(config.speculative) if config.speculative is not None else None
 
     # ------------------------------------------------------------ requests
     def add_request(self, req: GenerateReq) -> None:
@@ -230,10 +235,19 @@ class Scheduler:
         plan: list[tuple[Req, int]] = []
         planned: set[int] = set()
         retracted = False
+        # Speculation only while few requests decode: at larger batches their rows already fill the kernels.
+        speculate = self.spec is not None and sum(
+            1 for r in self.running if r.seq_len - r.num_computed == 1) <= self.spec.config.max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.seq_len - req.num_computed, budget)
+            req.draft = []
+            if speculate and n == 1 and budget > 1:
+                req.draft = self._propose(req, budget - 1)
+                n += len(req.draft)
+                if req.draft and not self._ensure_pages(req, req.num_computed + n):
+                    req.draft, n = [], 1  # no room for the draft: never retract anyone for one
             while not self._ensure_pages(req, req.num_computed + n):
                 if not self._retract_newest(planned | {id(req)}):
                     # Nothing else to take memory from: this request itself goes back.
@@ -262,6 +276,18 @@ class Scheduler:
             plan.append((req, n))
             budget -= n
         return plan
+
+    def _propose(self, req: Req, budget: int) -> list[int]:
+        """Draft tokens for a decoding request ([] when it cannot speculate): never more than its output may
+        still take beside the model's own token, nor past the context limit."""
+        assert self.spec is not None
+        if req.matcher is not None or req.label_ids:  # constrained or scoring: plain decoding
+            return []
+        if req.spec is None:
+            req.spec = self.spec.new_state()
+        limit = min(budget, req.params.max_new_tokens - len(req.output_ids) - 1,
+                    self.max_context_len - req.seq_len - 1)
+        return self.spec.propose(req.spec, req.all_ids, limit)
 
     def _match_prefix(self, req: Req) -> None:
         # The last token is never matched: it must be computed to get logits for the next one. Nor is a
@@ -327,16 +353,35 @@ class Scheduler:
         rows: list[SamplingRow] = []
         sampled: list[Req] = []  # one per row: the request whose row it is
         prefilled_only: list[Req] = []  # max_new_tokens 0: done once the prompt is in
+        extend_lens: list[int] = []
+        verify: dict[int, list[int]] = {}  # id(req) -> its rows in `rows`, a speculating request's k + 1
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
             ids = req.all_ids
             new_slots = slots_for(req.pages, self.page_size, start, end)
             req.slots.extend(new_slots)
             first_row = len(input_ids)
+            if req.draft:
+                # The last token and the draft, as k + 1 decode rows: row j sees the context and the draft's
+                # first j tokens (its own slot included), exactly as that position's plain decode step would.
+                input_ids.extend([ids[start], *req.draft])
+                positions.extend(range(start, end))
+                out_loc.extend(new_slots)
+                verify[id(req)] = []
+                for j in range(n):
+                    extend_lens.append(1)
+                    kv_indices.append(req.slots[: start + j + 1])
+                    logits_rows.append(first_row + j)
+                    verify[id(req)].append(len(rows))
+                    rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len + j, req.prompt_ids,
+                                            req.output_ids + req.draft[:j], self._banned_ids(req, j)))
+                    sampled.append(req)
+                continue
             input_ids.extend(ids[start:end])
             positions.extend(range(start, end))
             out_loc.extend(new_slots)
             kv_indices.append(req.slots)
+            extend_lens.append(n)
             todo = req.prompt_positions_to_score
             for pos in range(max(start, todo.start), min(end, todo.stop)):
                 logits_rows.append(first_row + pos - start)
@@ -358,16 +403,28 @@ class Scheduler:
                                         allowed=self._constraint_mask(req)))
                 sampled.append(req)
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
-        result = self.runner.execute(StepInput(input_ids, positions, out_loc, [n for _, n in plan], kv_indices,
+        result = self.runner.execute(StepInput(input_ids, positions, out_loc, extend_lens, kv_indices,
                                                logits_rows, rows))
         for req, n in plan:
+            if id(req) in verify:
+                continue  # its KV counts only up to the accepted tokens (_accept)
             req.num_computed += n
             if n > 1:
                 self._share_prefix(req)
         outputs: list[TokenOut] = []
         if sampled:
             assert result is not None
+            for req, _ in plan:
+                if id(req) in verify:
+                    self._accept(req, verify[id(req)], result)
+                    if req.finish_reason is not None:
+                        self.running.remove(req)
+                        outputs.append(self._finish(req, req.finish_reason))
+                    elif req.stream:
+                        outputs.append(self._make_out(req))
             for k, (req, row) in enumerate(zip(sampled, rows)):
+                if id(req) in verify:
+                    continue
                 if row.target is not None and row.position == req.seq_len:
                     req.label_logprobs.append(result.logprobs[k])
                     continue
@@ -386,6 +443,28 @@ class Scheduler:
             self.running.remove(req)
             outputs.append(self._finish(req, FinishReason.length()))
         return outputs
+
+    def _accept(self, req: Req, at: list[int], result: SampleOutput) -> None:
+        """A speculating request's verify rows: the model's token at each position, kept while the draft
+        agrees, up to and including the first one that differs (or the one after the whole draft). Only
+        these tokens reach the output, the stop checks and the KV count; the slots written for the
+        rejected rest are overwritten later (their pages stay the request's until it ends)."""
+        assert self.spec is not None and req.spec is not None
+        draft, tokens = req.draft, [result.token_ids[k] for k in at]
+        accepted = 0
+        while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+            accepted += 1
+        self.spec.record(len(draft), accepted)
+        req.spec.after_verify(len(draft), accepted, self.spec.config.num_draft_tokens)
+        appended = 0
+        for k, token in zip(at[: accepted + 1], tokens[: accepted + 1]):
+            self._append_token(req, token, result.logprobs[k], result.top_logprobs[k])
+            appended += 1
+            if req.finish_reason is not None:
+                break
+        req.num_computed += appended
+        del req.slots[req.num_computed:]
+        req.draft = []
 
     @staticmethod
     def _iteration_tokens(req: Req, n: int) -> int:
@@ -406,8 +485,9 @@ class Scheduler:
         req.slots = list(res.slots) + req.slots[len(res.slots):]
         req.pages = [s // self.page_size for s in req.slots[:: self.page_size]]
 
-    def _banned_ids(self, req: Req) -> list[int]:
-        if len(req.output_ids) >= req.params.min_new_tokens:
+    def _banned_ids(self, req: Req, ahead: int = 0) -> list[int]:
+        """Ids the next token (or the one `ahead` draft tokens later) may not be: stops before min_tokens."""
+        if len(req.output_ids) + ahead >= req.params.min_new_tokens:
             return []
         return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_token_ids)
 
@@ -497,6 +577,9 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> TokenOut:
         req.finish_reason = reason
+        req.draft = []
+        if self.spec is not None and reason.type != "abort":
+            self.spec.finished(req.all_ids)
         if self.disk is not None and req.pages and reason.type != "abort":
             n = req.num_computed
             self.disk.save(req.all_ids[:n], slots_for(req.pages, self.page_size, 0, n))
@@ -538,6 +621,7 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "cache_hit_rate": self.cache.hit_rate,
             **{f"{k}_total": v for k, v in self.stats.items()},
+            **(self.spec.info() if self.spec is not None else {}),
         }
 
     def model_info(self) -> dict[str, Any]:
