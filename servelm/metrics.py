@@ -109,6 +109,16 @@ class ServerMetrics:
                             for n in ("prefix_cache_hits", "gpu_prefix_cache_hits")]
         self.gpu_cache_usage = gauge("gpu_cache_usage_perc", "KV cache usage (vLLM 0.x's name of "
                                      "kv_cache_usage_perc; the cache is in RAM on a CPU).")
+        # Speculative decoding (vLLM's spec_decode_* families), from the scheduler's running totals.
+        self.spec_counters = [
+            (counter("spec_decode_num_drafts", "Verify steps with a draft (one per speculating request and step)."),
+             "spec_decode_num_drafts"),
+            (counter("spec_decode_num_draft_tokens", "Draft tokens proposed."), "spec_decode_num_draft_tokens"),
+            (counter("spec_decode_num_accepted_tokens", "Draft tokens accepted."), "spec_decode_num_accepted_tokens"),
+        ]
+        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+                                    "position in the draft (0 = first).", ("position",))
+        self._spec_seen: dict[str, int] = {}
         self._cache_config_registered = False
 
     # The label is fixed per server; binding it once keeps call sites short.
@@ -198,12 +208,21 @@ class ServerMetrics:
             value = info.get(key)
             if isinstance(value, (int, float)):
                 gauge.labels(m).set(value)
+        for counter, key in self.spec_counters:  # counters: add what the totals grew by since the last call
+            self._inc_to(counter.labels(m), key, info.get(key))
+        for pos, value in enumerate(info.get("spec_decode_num_accepted_tokens_per_pos") or []):
+            self._inc_to(self.spec_per_pos.labels(m, str(pos)), f"per_pos_{pos}", value)
         total, in_use = info.get("kv_total_tokens"), info.get("kv_in_use_tokens")
         if isinstance(total, (int, float)) and total > 0 and isinstance(in_use, (int, float)):
             # Prefix-cached tokens are evictable, so only tokens held by requests count as used.
             self.kv_usage.labels(m).set(in_use / total)
             self.kv_usage_perc.labels(m).set(in_use / total)
             self.gpu_cache_usage.labels(m).set(in_use / total)
+
+    def _inc_to(self, child: Any, key: str, total: Any) -> None:
+        if isinstance(total, int) and total > self._spec_seen.get(key, 0):
+            child.inc(total - self._spec_seen.get(key, 0))
+            self._spec_seen[key] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

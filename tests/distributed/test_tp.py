@@ -164,3 +164,23 @@ def test_tp2_equals_tp1_with_a_kv_cache_dtype(kv: str, tol: float, tiny_models) 
     TP=1's tokens with the same KV dtype; logprobs within what a flipped rounding of a K/V value can move."""
     base = _run(tiny_models["llama"], kv_cache_dtype=kv)
     _assert_same(_run(tiny_models["llama"], tp_size=2, kv_cache_dtype=kv), base, tol)
+
+
+def test_tp2_with_speculation_equals_tp1(tiny_models) -> None:
+    """The drafts ride in the step to the other rank: TP=2 with `suffix` (the second pass drafted from the
+    first one's outputs) gives TP=1's tokens and logprobs without speculation."""
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": True}
+    outs = {}
+    for tp, algo in ((1, None), (2, "suffix")):
+        engine = Engine(model_path=str(tiny_models["llama"]), max_total_tokens=2048, tp_size=tp,
+                        speculative_algorithm=algo)
+        try:
+            outs[tp] = [engine.generate(input_ids=_prompts(), sampling_params=params) for _ in range(2)]
+            info = engine.scheduler.server_info()
+        finally:
+            engine.shutdown()
+    assert info["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(outs[2], outs[1], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x["output_ids"] == y["output_ids"]
+            assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4
