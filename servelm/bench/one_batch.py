@@ -140,6 +140,8 @@ def main(argv: list[str]) -> int:
     for bs in ns.batch_size:
         prompts = random_prompts(bs, ns.input_len, engine.scheduler.vocab_size, ns.seed)
         run_once(engine, prompts, min(ns.output_len, 4))  # warm-up
+        spec = engine.scheduler.spec
+        spec_before = spec.info() if spec is not None else {}
         once = lambda: run_once(engine, prompts, ns.output_len)  # noqa: B023, E731
         if ns.competing_load:
             res, busy = idle_and_busy(ns.runs, ns.competing_load, once)
@@ -171,6 +173,15 @@ def main(argv: list[str]) -> int:
             line += (f"\n           transformers: prefill {ref['prefill_s'] * 1e3:8.1f} ms  decode "
                      f"{ref['decode_tok_s']:7.1f} tok/s  -> servelm decode x{res['decode_speedup']:.2f}")
         print(line, flush=True)
+        if spec is not None:  # the measured runs of this batch size
+            from servelm.bench.serving import speculation_delta
+
+            d = speculation_delta(spec_before, spec.info())
+            mean = d["spec_decode_mean_acceptance_length"]
+            print(f"           speculative decoding ({spec.config.algorithm}): {d['spec_decode_num_drafts']} drafts, "
+                  f"{d['spec_decode_num_accepted_tokens']} of {d['spec_decode_num_draft_tokens']} draft tokens "
+                  f"accepted, mean acceptance length {mean:.2f}" if mean else
+                  f"           speculative decoding ({spec.config.algorithm}): no drafts", flush=True)
         if ns.profile:
             print(profile_decode(engine, prompts), flush=True)
         if ns.json:

@@ -12,6 +12,9 @@ Datasets:
 * `generated-shared-prefix`: `--gsp-num-groups` groups, each sharing one
   long random system prompt, with `--gsp-prompts-per-group` short questions
   (what a prefix cache speeds up).
+* `copy`: chat prompts that ask the model to repeat, or lightly edit, a block
+  of `--copy-text-len` tokens of Python source (servelm's own files), with as
+  many output tokens: the copy-heavy work that speculative decoding speeds up.
 
 Arrivals: `--request-rate` requests/s as a Poisson process (inf = all at
 once), capped by `--max-concurrency` requests in flight.
@@ -79,6 +82,51 @@ def shared_prefix_dataset(tokenizer: Any, num_groups: int, prompts_per_group: in
                        for _ in range(prompts_per_group)])
     # Round-robin, so that concurrent requests mostly belong to different groups.
     return [g[i] for i in range(prompts_per_group) for g in groups]
+
+
+def copy_dataset(tokenizer: Any, num_prompts: int, text_len: int, rng: random.Random) -> list[BenchRequest]:
+    """Chat prompts asking to repeat or lightly edit `text_len` tokens of Python source; output_len = text_len."""
+    from pathlib import Path
+
+    import servelm
+
+    files = sorted(Path(servelm.__file__).parent.rglob("*.py"))
+    sources = [f.read_text(encoding="utf-8") for f in files]
+    sources = [s for s in sources if len(s) > 8 * text_len]
+    tasks = ["Repeat the following code exactly, with no comment:",
+             "Rewrite the following code with every `self` renamed to `this`, and nothing else changed:",
+             "Copy the following code, adding nothing:"]
+    reqs = []
+    for _ in range(num_prompts):
+        ids = tokenizer.encode(rng.choice(sources), add_special_tokens=False)
+        start = rng.randrange(0, max(1, len(ids) - text_len))
+        block = tokenizer.decode(ids[start: start + text_len])
+        messages = [{"role": "user", "content": f"{rng.choice(tasks)}\n\n```python\n{block}\n```"}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+            prompt = prompt["input_ids"]
+        reqs.append(BenchRequest(list(prompt), text_len))
+    return reqs
+
+
+def speculation_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The run's speculative decoding figures from two /server_info answers ({} when it is off)."""
+    if "spec_decode_num_drafts" not in after:
+        return {}
+    d = {k: after[k] - before.get(k, 0) for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                  "spec_decode_num_accepted_tokens")}
+    drafts = d["spec_decode_num_drafts"]
+    d["spec_decode_mean_acceptance_length"] = 1 + d["spec_decode_num_accepted_tokens"] / drafts if drafts else None
+    return d
+
+
+def _server_info(base_url: str, api_key: str | None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/server_info", headers=headers, timeout=30)
+        return r.json() if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}  # another server (vLLM, SGLang) may not have it
 
 
 # ------------------------------------------------------------------ client
@@ -219,12 +267,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="Tokenizer (HF folder or .gguf) used to draw prompt token ids (default: the default model's).")
     p.add_argument("--api-key", default=None, help="Bearer token for the server.")
-    p.add_argument("--dataset-name", default="random", choices=["random", "generated-shared-prefix"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "generated-shared-prefix", "copy"])
     p.add_argument("--num-prompts", type=int, default=64, help="Requests of the random dataset.")
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=1.0,
                    help="Lengths are drawn uniformly from [len * ratio, len].")
+    p.add_argument("--copy-text-len", type=int, default=400, help="Tokens of the block each copy prompt repeats.")
     p.add_argument("--gsp-num-groups", type=int, default=8)
     p.add_argument("--gsp-prompts-per-group", type=int, default=4)
     p.add_argument("--gsp-system-prompt-len", type=int, default=1024)
@@ -265,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset_name == "random":
         requests = random_dataset(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                   args.random_range_ratio, rng)
+    elif args.dataset_name == "copy":
+        requests = copy_dataset(tokenizer, args.num_prompts, args.copy_text_len, rng)
     else:
         requests = shared_prefix_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                          args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, rng)
@@ -275,11 +326,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: /flush_cache answered {r.status_code}; the prefix cache was not flushed", file=sys.stderr)
     # Warm-up prompts are fresh random ones, so that they never seed the prefix cache being measured.
     warm = random_dataset(tokenizer, args.warmup_requests, 16, 8, 1.0, random.Random(args.seed + 1))
+    before = _server_info(args.base_url, args.api_key)
     results, duration = asyncio.run(run_benchmark(
         args.base_url, model, warm + requests, args.request_rate, args.max_concurrency, args.api_key,
         args.seed, warmup=len(warm)))
     summary = summarize(results, duration)
+    summary.update(speculation_delta(before, _server_info(args.base_url, args.api_key)))
     print(format_summary(summary, "Serving Benchmark Result"), flush=True)
+    if summary.get("spec_decode_num_drafts") is not None:
+        mean = summary["spec_decode_mean_acceptance_length"]
+        print(f"Speculative decoding: {summary['spec_decode_num_drafts']} drafts, "
+              f"{summary['spec_decode_num_accepted_tokens']} of {summary['spec_decode_num_draft_tokens']} draft "
+              f"tokens accepted, mean acceptance length {mean:.2f}" if mean else
+              "Speculative decoding: no drafts", flush=True)
     if args.output_file:
         record = {**{k: v for k, v in vars(args).items() if k != "api_key"}, "model": model, **summary}
         if not math.isfinite(record["request_rate"]):

@@ -63,3 +63,29 @@ def test_detokenize_compares_both_paths_on_the_same_text(capsys: pytest.CaptureF
     assert bench_main(["detokenize", "--streams", "2", "--tokens", "300", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
     assert "300 tokens x 2 streams" in out and "DecodeStream" in out and "same text: True" in out
+
+
+def test_one_batch_reports_speculation(tiny_llama, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, _ = tiny_llama
+    assert one_batch.main(["--model-path", str(folder), "--batch-size", "1", "--input-len", "16", "--output-len", "24",
+                           "--runs", "1", "--max-total-tokens", "1024", "--speculative-algorithm", "ngram",
+                           "--speculative-ngram-min-match-window-size", "1"]) == 0
+    assert "speculative decoding (ngram): " in capsys.readouterr().out
+
+
+def test_copy_dataset_and_speculation_figures() -> None:
+    import random
+
+    from servelm.bench.serving import _load_tokenizer, copy_dataset, speculation_delta
+
+    tok = _load_tokenizer(None)
+    reqs = copy_dataset(tok, 3, 120, random.Random(0))
+    assert [r.output_len for r in reqs] == [120] * 3
+    for r in reqs:
+        text = tok.decode(r.prompt_ids)
+        assert "```python" in text and 120 < len(r.prompt_ids) < 220
+    before = {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 8, "spec_decode_num_accepted_tokens": 4}
+    after = {"spec_decode_num_drafts": 12, "spec_decode_num_draft_tokens": 48, "spec_decode_num_accepted_tokens": 34}
+    d = speculation_delta(before, after)
+    assert d["spec_decode_num_drafts"] == 10 and d["spec_decode_mean_acceptance_length"] == 4.0
+    assert speculation_delta({}, {"kv_total_tokens": 1}) == {}
