@@ -222,6 +222,7 @@ class Scheduler:
                 continue
             self.running.remove(req)
             self._release(req)
+            req.draft = []  # re-admitted as a prefill: its draft (if it had one this step) is gone
             self.waiting.appendleft(req)
             self.stats["retractions"] += 1
             logger.info("KV pool full: retracted request %s (%d tokens) back to the queue", req.rid, req.seq_len)

@@ -215,3 +215,11 @@ def test_flags_and_vllm_config() -> None:
         parse_vllm_config('{"method": "ngram", "draft_model": "x"}')
     with pytest.raises(ConfigError, match="not valid JSON"):
         parse_vllm_config("{method: ngram}")
+
+
+def test_retraction_while_speculating_keeps_outputs() -> None:
+    """A pool of 80 slots for 12 requests: requests with a draft are retracted and come back as prefills."""
+    reqs = _requests(12, seed=2, max_new=30)
+    spec = make(SpecConfig("ngram", max_batch=64), num_pages=40, page_size=2)
+    assert run_all(spec, reqs) == run_all(make(None, num_pages=40, page_size=2), reqs)
+    assert spec.stats["retractions"] > 5 and spec.spec is not None and spec.spec.num_drafts > 5

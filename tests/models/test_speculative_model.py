@@ -135,6 +135,10 @@ def test_server_reports_acceptance(tiny_llama, tmp_path) -> None:
             assert r.usage.completion_tokens == 40
             texts.append(r.choices[0].text)
         assert texts[0] == texts[1]
+        # Streamed, several tokens can arrive in one chunk: the text is the same.
+        stream = client.completions.create(model="tiny", prompt=_copy_prompts(1, seed=6)[0], max_tokens=40,
+                                           temperature=0, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == texts[0]
         info = httpx.get(f"{srv.base_url}/server_info", timeout=30).json()
         assert info["speculative_algorithm"] == "suffix" and info["spec_decode_num_drafts"] > 0
         assert info["spec_decode_mean_acceptance_length"] > 3.0  # 3 drafted, 3 taken, and the model's own
