@@ -12,6 +12,8 @@ Datasets:
 * `generated-shared-prefix`: `--gsp-num-groups` groups, each sharing one
   long random system prompt, with `--gsp-prompts-per-group` short questions
   (what a prefix cache speeds up).
+* `chat`: open questions as chat prompts (explain, compare, write a short
+  story), `--random-output-len` tokens each: text whose n-grams seldom repeat.
 * `copy`: chat prompts that ask the model to repeat, or lightly edit, a block
   of `--copy-text-len` tokens of Python source (servelm's own files), with as
   many output tokens: the copy-heavy work that speculative decoding speeds up.
@@ -106,6 +108,27 @@ def copy_dataset(tokenizer: Any, num_prompts: int, text_len: int, rng: random.Ra
         if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
             prompt = prompt["input_ids"]
         reqs.append(BenchRequest(list(prompt), text_len))
+    return reqs
+
+
+_TOPICS = ["how a CPU cache works", "why the sky is blue", "the history of the printing press",
+           "how vaccines train the immune system", "what a hash table is", "the water cycle",
+           "how bees make honey", "the causes of the French Revolution", "how a compiler works",
+           "photosynthesis", "the rules of chess", "how tides happen", "what inflation is",
+           "how airplanes fly", "the life of a star", "how to bake bread"]
+_ASKS = ["Explain {} to a curious teenager.", "Write a short story that involves {}.",
+         "Give a detailed overview of {}.", "Write a blog post about {}."]
+
+
+def chat_dataset(tokenizer: Any, num_prompts: int, output_len: int, rng: random.Random) -> list[BenchRequest]:
+    """Open questions as chat prompts (what n-gram drafts seldom help): `output_len` tokens each."""
+    reqs = []
+    for _ in range(num_prompts):
+        messages = [{"role": "user", "content": rng.choice(_ASKS).format(rng.choice(_TOPICS))}]
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+            prompt = prompt["input_ids"]
+        reqs.append(BenchRequest(list(prompt), output_len))
     return reqs
 
 
@@ -267,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None,
                    help="Tokenizer (HF folder or .gguf) used to draw prompt token ids (default: the default model's).")
     p.add_argument("--api-key", default=None, help="Bearer token for the server.")
-    p.add_argument("--dataset-name", default="random", choices=["random", "generated-shared-prefix", "copy"])
+    p.add_argument("--dataset-name", default="random", choices=["random", "generated-shared-prefix", "copy", "chat"])
     p.add_argument("--num-prompts", type=int, default=64, help="Requests of the random dataset.")
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
@@ -314,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset_name == "random":
         requests = random_dataset(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                   args.random_range_ratio, rng)
+    elif args.dataset_name == "chat":
+        requests = chat_dataset(tokenizer, args.num_prompts, args.random_output_len, rng)
     elif args.dataset_name == "copy":
         requests = copy_dataset(tokenizer, args.num_prompts, args.copy_text_len, rng)
     else:

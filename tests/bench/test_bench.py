@@ -76,7 +76,7 @@ def test_one_batch_reports_speculation(tiny_llama, capsys: pytest.CaptureFixture
 def test_copy_dataset_and_speculation_figures() -> None:
     import random
 
-    from servelm.bench.serving import _load_tokenizer, copy_dataset, speculation_delta
+    from servelm.bench.serving import _load_tokenizer, chat_dataset, copy_dataset, speculation_delta
 
     tok = _load_tokenizer(None)
     reqs = copy_dataset(tok, 3, 120, random.Random(0))
@@ -84,6 +84,8 @@ def test_copy_dataset_and_speculation_figures() -> None:
     for r in reqs:
         text = tok.decode(r.prompt_ids)
         assert "```python" in text and 120 < len(r.prompt_ids) < 220
+    chats = chat_dataset(tok, 4, 50, random.Random(0))
+    assert all(r.output_len == 50 and "<|im_start|>user" in tok.decode(r.prompt_ids) for r in chats)
     before = {"spec_decode_num_drafts": 2, "spec_decode_num_draft_tokens": 8, "spec_decode_num_accepted_tokens": 4}
     after = {"spec_decode_num_drafts": 12, "spec_decode_num_draft_tokens": 48, "spec_decode_num_accepted_tokens": 34}
     d = speculation_delta(before, after)
