@@ -59,9 +59,24 @@ def load_hf_baseline(model_path: str | None) -> Any:
     return model
 
 
+class _TokenClock:
+    """A `generate` streamer that only notes when each step's tokens come out (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 @torch.inference_mode()
-def hf_generate_seconds(model: Any, prompts: list[list[int]], max_new_tokens: int) -> float:
-    """Wall time of one batched greedy `generate` (left-padded), forced to produce max_new_tokens each."""
+def hf_generate_seconds(model: Any, prompts: list[list[int]], max_new_tokens: int,
+                        clock: _TokenClock | None = None) -> float:
+    """Wall time of one batched greedy `generate` (left-padded), forced to produce max_new_tokens each;
+    `clock` (hf_prefill_and_decode) notes when each token comes out."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -70,8 +85,18 @@ def hf_generate_seconds(model: Any, prompts: list[list[int]], max_new_tokens: in
         mask[i, width - len(p):] = 1
     t0 = time.perf_counter()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                   min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                   min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
     return time.perf_counter() - t0
+
+
+def hf_prefill_and_decode(model: Any, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds from the first to the last token) of one `generate`: both from the
+    same run, never a difference of two runs (which a busy machine can make negative)."""
+    clock = _TokenClock()
+    t0 = time.perf_counter()
+    total = hf_generate_seconds(model, prompts, max_new_tokens, clock)
+    first = clock.times[1] - t0 if len(clock.times) > 1 else total
+    return first, max(total - first, 1e-9)
 
 
 def memory_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

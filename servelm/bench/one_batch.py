@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from servelm.bench.common import (
     build_parser,
     hf_generate_seconds,
+    hf_prefill_and_decode,
     load_hf_baseline,
     median_of,
     memory_bandwidth_gbs,
@@ -163,9 +164,8 @@ def main(argv: list[str]) -> int:
             hf_generate_seconds(hf, prompts, 2)  # warm-up
 
             def hf_once() -> dict[str, float]:
-                pre = hf_generate_seconds(hf, prompts, 1)  # noqa: B023
-                total = hf_generate_seconds(hf, prompts, ns.output_len)  # noqa: B023
-                return {"prefill_s": pre, "decode_tok_s": bs * (ns.output_len - 1) / (total - pre)}  # noqa: B023
+                pre, decode = hf_prefill_and_decode(hf, prompts, ns.output_len)  # noqa: B023
+                return {"prefill_s": pre, "decode_tok_s": bs * (ns.output_len - 1) / decode}  # noqa: B023
 
             ref = median_of(ns.runs, hf_once)
             res.update({f"hf_{k}": v for k, v in ref.items()})
