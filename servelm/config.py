@@ -111,7 +111,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int = _opt(4, "Most draft tokens a request gets per step (adapted per request).")
     speculative_ngram_min_match_window_size: int = _opt(2, "Shortest run of recent tokens that must match.")
     speculative_ngram_max_match_window_size: int = _opt(8, "Longest run of recent tokens tried first.")
-    speculative_max_batch: int = _opt(8, "Speculate only while at most this many requests decode at once.")
+    speculative_max_batch: int = _opt(2, "Speculate only while at most this many requests decode at once (they "
+                                      "share --speculative-num-draft-tokens).")
     speculative_config: str | None = _opt(None, "vLLM's JSON form, as an alias: '{\"method\": \"ngram\", "
                                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 8, "
                                           "\"prompt_lookup_min\": 2}' (method ngram or suffix).")

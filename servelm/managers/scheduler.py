@@ -237,15 +237,15 @@ class Scheduler:
         planned: set[int] = set()
         retracted = False
         # Speculation only while few requests decode: at larger batches their rows already fill the kernels.
-        speculate = self.spec is not None and sum(
-            1 for r in self.running if r.seq_len - r.num_computed == 1) <= self.spec.config.max_batch
+        decoding = sum(1 for r in self.running if r.seq_len - r.num_computed == 1)
+        speculate = self.spec is not None and decoding <= self.spec.config.max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.seq_len - req.num_computed, budget)
             req.draft = []
             if speculate and n == 1 and budget > 1:
-                req.draft = self._propose(req, budget - 1)
+                req.draft = self._propose(req, budget - 1, decoding)
                 n += len(req.draft)
                 if req.draft and not self._ensure_pages(req, req.num_computed + n):
                     req.draft, n = [], 1  # no room for the draft: never retract anyone for one
@@ -278,7 +278,7 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _propose(self, req: Req, budget: int) -> list[int]:
+    def _propose(self, req: Req, budget: int, decoding: int) -> list[int]:
         """Draft tokens for a decoding request ([] when it cannot speculate): never more than its output may
         still take beside the model's own token, nor past the context limit."""
         assert self.spec is not None
@@ -288,7 +288,7 @@ class Scheduler:
             req.spec = self.spec.new_state()
         limit = min(budget, req.params.max_new_tokens - len(req.output_ids) - 1,
                     self.max_context_len - req.seq_len - 1)
-        return self.spec.propose(req.spec, req.all_ids, limit)
+        return self.spec.propose(req.spec, req.all_ids, limit, decoding)
 
     def _match_prefix(self, req: Req) -> None:
         # The last token is never matched: it must be computed to get logits for the next one. Nor is a

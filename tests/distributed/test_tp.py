@@ -173,7 +173,7 @@ def test_tp2_with_speculation_equals_tp1(tiny_models) -> None:
     outs = {}
     for tp, algo in ((1, None), (2, "suffix")):
         engine = Engine(model_path=str(tiny_models["llama"]), max_total_tokens=2048, tp_size=tp,
-                        speculative_algorithm=algo)
+                        speculative_algorithm=algo, speculative_max_batch=8)
         try:
             outs[tp] = [engine.generate(input_ids=_prompts(), sampling_params=params) for _ in range(2)]
             info = engine.scheduler.server_info()

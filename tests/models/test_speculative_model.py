@@ -43,22 +43,24 @@ def _same(a: list[dict], b: list[dict], tol: float) -> None:
         assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) <= tol
 
 
-def _compare(model_path: str | None, max_new: int, tol: float, chunk: int = 96, **kw: Any) -> dict[str, Any]:
+def _compare(model_path: str | None, max_new: int, tol: float, chunk: int = 96, busy_n: int = 6,
+             **kw: Any) -> dict[str, Any]:
     prompts = _copy_prompts(3, seed=1)
     params = [{"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, "logprobs": True},
               {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True, "logprobs": True},
               {"max_new_tokens": max_new, "temperature": 0.8, "seed": 5, "ignore_eos": True, "logprobs": True}]
-    busy = _others(6, seed=2)
+    busy = _others(busy_n, seed=2)
     busy_params = [{"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}] * len(busy)
     results = {}
     for algo in (None, "ngram", "suffix"):
         # A small step budget: the other requests' prompts go in chunks, mixed with the verify rows.
         engine = Engine(model_path=model_path, max_total_tokens=8192, chunked_prefill_size=chunk,
-                        speculative_algorithm=algo, **kw)
+                        speculative_algorithm=algo, speculative_max_batch=16, **kw)
         try:
             alone = _gen(engine, prompts, params)
             engine.flush_cache()
-            mixed = _gen(engine, busy[:3] + prompts + busy[3:], busy_params[:3] + params + busy_params[3:])[3:6]
+            h = len(busy) // 2
+            mixed = _gen(engine, busy[:h] + prompts + busy[h:], busy_params[:h] + params + busy_params[h:])[h:h + 3]
             results[algo] = (alone, mixed, engine.scheduler.server_info())
         finally:
             engine.shutdown()
@@ -81,13 +83,12 @@ def test_tiny_model_same_tokens_and_logprobs(tiny_llama) -> None:
 def test_default_model_same_tokens_and_logprobs_and_acceptance() -> None:
     """The default model (Q4_1 kept, int8 activations), 3 prompts x 128 tokens: the verify rows are decode rows,
     so the tokens are the ones of plain decoding; it copies, so most drafts are taken. Steps stay under the
-    rows where the Q4_1 linears leave the per-row micro-kernel (quant.tiles_min_rows). The Q8_0 LM head leaves
-    it from 10 rows, which 3 speculating requests reach and plain decoding does not: those logprobs move by
-    float rounding (~1e-3), as they would for plain decoding at a batch of 10."""
-    results = _compare(None, 128, 5e-3, chunk=32)
-    info = results["ngram"][2]
-    assert info["spec_decode_mean_acceptance_length"] > 2.0, info
-    # One request (at most 5 rows a step): bit for bit.
+    rows where the Q4_1 linears leave the per-row micro-kernel (quant.tiles_min_rows), and only one other request
+    keeps the logits rows under 10, where the Q8_0 LM head leaves it: past that, logprobs move by float
+    rounding (~1e-3) and a near tie can flip (541 against 361 at token 36 here), as for plain decoding at a
+    batch of 10."""
+    _compare(None, 128, 5e-3, chunk=32, busy_n=1)
+    # One request (at most 5 rows a step): bit for bit, and most of the draft taken.
     prompt = _copy_prompts(1, seed=1)
     params = {"max_new_tokens": 64, "temperature": 0, "ignore_eos": True, "logprobs": True}
     outs = []
@@ -95,9 +96,11 @@ def test_default_model_same_tokens_and_logprobs_and_acceptance() -> None:
         engine = Engine(max_total_tokens=4096, speculative_algorithm=algo)
         try:
             outs.append(_gen(engine, prompt, [params]))
+            info = engine.scheduler.server_info()
         finally:
             engine.shutdown()
     _same(outs[1], outs[0], 0.0)
+    assert info["spec_decode_mean_acceptance_length"] > 2.0, info
 
 
 @pytest.mark.slow
@@ -108,7 +111,7 @@ def test_deterministic_mode_is_bitwise_with_speculation(tiny_llama) -> None:
     try:
         for algo in (None, "ngram"):
             engine = Engine(model_path=str(tiny_llama[0]), max_total_tokens=4096, speculative_algorithm=algo,
-                            enable_deterministic_inference=True)
+                            speculative_max_batch=16, enable_deterministic_inference=True)
             try:
                 for batch in ([prompts[0]], [*_others(3, seed=8), prompts[0]]):
                     out = _gen(engine, batch, [params] * len(batch))[-1]
