@@ -69,7 +69,11 @@ def parse_vllm_config(text: str) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"--speculative-config: unsupported keys {', '.join(unknown)} (supported: "
                           f"{', '.join(sorted(known))})")
-    out: dict[str, Any] = {"speculative_algorithm": cfg.get("method", "ngram")}
+    method = cfg.get("method", "ngram")
+    if method not in ALGORITHMS:
+        raise ConfigError(f"--speculative-config: method {method!r} is not supported; choose one of: "
+                          f"{', '.join(ALGORITHMS)} (a draft model is not supported yet)")
+    out: dict[str, Any] = {"speculative_algorithm": method}
     for key, field_name in (("num_speculative_tokens", "speculative_num_draft_tokens"),
                             ("prompt_lookup_max", "speculative_ngram_max_match_window_size"),
                             ("prompt_lookup_min", "speculative_ngram_min_match_window_size")):

@@ -213,6 +213,8 @@ def test_flags_and_vllm_config() -> None:
         ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ConfigError, match="unsupported keys draft_model"):
         parse_vllm_config('{"method": "ngram", "draft_model": "x"}')
+    with pytest.raises(ConfigError, match="method 'eagle' is not supported"):
+        ServerArgs(speculative_config='{"method": "eagle"}')
     with pytest.raises(ConfigError, match="not valid JSON"):
         parse_vllm_config("{method: ngram}")
 
