@@ -41,6 +41,7 @@ class SpecConfig:
     # on, at concurrency 1 at x0.92-x1.10; copying at concurrency 1 at x1.37-x1.77.
     max_batch: int = 2
     suffix_capacity: int = 1 << 16  # tokens of recent requests the `suffix` proposer keeps
+    guard: bool = True  # switch speculation off at a batch size where it measurably loses (RateGuard)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -226,6 +227,51 @@ class SpecState:
                 self.misses = 0
 
 
+class RateGuard:
+    """Speculation switches itself off where it clearly loses, from the step times it measures.
+
+    Per number of decoding requests: an exponential average of output tokens per second over decode-only steps
+    without drafts (a paused or unmatched request, or speculation off), and windows of `window` decode-only steps
+    with drafts. When a window's rate (its tokens over its seconds) is under `margin` x the plain average (which
+    needs `min_samples`), speculation at that batch size stops for `cooldown` steps, then is tried again. A
+    window, not each step, is judged, and only a clear loss counts: on a busy machine single steps vary by
+    tens of percent, and a copy task, which drafts at nearly every step, must not be switched off by a spike.
+    """
+
+    def __init__(self, alpha: float = 0.05, min_samples: int = 16, window: int = 32, margin: float = 0.9,
+                 cooldown: int = 256) -> None:
+        self.alpha, self.min_samples, self.window, self.margin, self.cooldown = alpha, min_samples, window, margin, \
+            cooldown
+        self._plain: dict[int, tuple[float, int]] = {}  # batch -> (average tokens/s, samples)
+        self._spec: dict[int, tuple[int, float, int]] = {}  # batch -> (tokens, seconds, steps) of the open window
+        self._off_until: dict[int, int] = {}
+        self._steps = 0
+        self.switched_off = 0  # times speculation was switched off (reported in /server_info)
+
+    def allows(self, batch: int) -> bool:
+        return self._steps >= self._off_until.get(batch, 0)
+
+    def observe(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """One decode-only step of `batch` requests that gave `tokens` tokens in `seconds`."""
+        self._steps += 1
+        if seconds <= 0 or tokens <= 0:
+            return
+        if not drafted:
+            rate, n = self._plain.get(batch, (tokens / seconds, 0))
+            self._plain[batch] = (rate + self.alpha * (tokens / seconds - rate), n + 1)
+            return
+        t, sec, n = self._spec.get(batch, (0, 0.0, 0))
+        t, sec, n = t + tokens, sec + seconds, n + 1
+        if n < self.window:
+            self._spec[batch] = (t, sec, n)
+            return
+        self._spec.pop(batch, None)
+        plain, samples = self._plain.get(batch, (0.0, 0))
+        if samples >= self.min_samples and t / sec < self.margin * plain:
+            self._off_until[batch] = self._steps + self.cooldown
+            self.switched_off += 1
+
+
 class Proposer:
     """The scheduler's side: drafts for decoding requests, and the counters vLLM reports."""
 
@@ -237,6 +283,15 @@ class Proposer:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_draft_tokens
+        self.guard = RateGuard() if config.guard else None
+
+    def allows(self, batch: int) -> bool:
+        """Whether requests may draft in a step where `batch` of them decode."""
+        return batch <= self.config.max_batch and (self.guard is None or self.guard.allows(batch))
+
+    def observe_step(self, batch: int, drafted: bool, tokens: int, seconds: float) -> None:
+        if self.guard is not None and batch <= self.config.max_batch:
+            self.guard.observe(batch, drafted, tokens, seconds)
 
     def new_state(self) -> SpecState:
         return SpecState(k=self.config.num_draft_tokens)
@@ -277,6 +332,7 @@ class Proposer:
             "spec_decode_num_draft_tokens": self.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+            "spec_decode_times_switched_off": self.guard.switched_off if self.guard is not None else 0,
             # tokens a verify step yields: the accepted draft tokens plus the model's own
             "spec_decode_mean_acceptance_length": (round(1 + self.num_accepted_tokens / self.num_drafts, 4)
                                                    if self.num_drafts else None),

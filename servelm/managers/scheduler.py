@@ -238,7 +238,7 @@ class Scheduler:
         retracted = False
         # Speculation only while few requests decode: at larger batches their rows already fill the kernels.
         decoding = sum(1 for r in self.running if r.seq_len - r.num_computed == 1)
-        speculate = self.spec is not None and decoding <= self.spec.config.max_batch
+        speculate = self.spec is not None and self.spec.allows(decoding)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -404,6 +404,7 @@ class Scheduler:
                                         allowed=self._constraint_mask(req)))
                 sampled.append(req)
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
+        started, generated = time.perf_counter(), self.stats["generation_tokens"]
         result = self.runner.execute(StepInput(input_ids, positions, out_loc, extend_lens, kv_indices,
                                                logits_rows, rows))
         for req, n in plan:
@@ -443,6 +444,10 @@ class Scheduler:
         for req in prefilled_only:
             self.running.remove(req)
             outputs.append(self._finish(req, FinishReason.length()))
+        if self.spec is not None and all(n == 1 or id(req) in verify for req, n in plan):
+            # a decode-only step: what speculation's guard compares (tokens out per second, with and without)
+            self.spec.observe_step(len(plan), bool(verify), self.stats["generation_tokens"] - generated,
+                                   time.perf_counter() - started)
         return outputs
 
     def _accept(self, req: Req, at: list[int], result: SampleOutput) -> None:

@@ -8,6 +8,7 @@ the position alone: it copies, so n-gram drafts are often right, and departs, so
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 from collections import Counter
@@ -21,7 +22,7 @@ from servelm.managers.io_struct import GenerateReq
 from servelm.managers.schedule_batch import SampleOutput, StepInput
 from servelm.managers.scheduler import Scheduler, SchedulerConfig
 from servelm.model_executor.forward_batch import ForwardBatch
-from servelm.speculative import SpecConfig, SpecState, SuffixStore, lookup, parse_vllm_config
+from servelm.speculative import RateGuard, SpecConfig, SpecState, SuffixStore, lookup, parse_vllm_config
 
 VOCAB = 64
 EOS = 0
@@ -67,6 +68,8 @@ class FakeRunner:
 
 def make(spec: SpecConfig | None, num_pages: int = 2000, page_size: int = 1, soft: list[float] | None = None,
          **kw) -> Scheduler:
+    if spec is not None:  # no rate guard: what it decides depends on this machine's step times
+        spec = dataclasses.replace(spec, guard=False)
     cfg = SchedulerConfig(num_pages=num_pages, page_size=page_size, max_context_len=10_000, speculative=spec, **kw)
     return Scheduler(FakeRunner(num_pages * page_size, soft), FakeTokenizer(), cfg, [EOS], VOCAB)
 
@@ -225,3 +228,35 @@ def test_retraction_while_speculating_keeps_outputs() -> None:
     spec = make(SpecConfig("ngram", max_batch=64), num_pages=40, page_size=2)
     assert run_all(spec, reqs) == run_all(make(None, num_pages=40, page_size=2), reqs)
     assert spec.stats["retractions"] > 5 and spec.spec is not None and spec.spec.num_drafts > 5
+
+
+def test_rate_guard_switches_speculation_off_where_it_loses_and_retries() -> None:
+    g = RateGuard(min_samples=10, window=8, margin=0.9, cooldown=50)
+    for _ in range(30):  # batch 1: drafting gives 150 tok/s against 100
+        g.observe(1, True, 3, 0.02)
+        g.observe(1, False, 1, 0.01)
+    assert g.allows(1) and g.switched_off == 0
+    for _ in range(10):  # batch 2: drafting gives 150 tok/s against 200 -> off there only
+        g.observe(2, False, 2, 0.01)
+    for _ in range(7):
+        g.observe(2, True, 3, 0.02)
+    assert g.allows(2)  # the window is not complete yet
+    g.observe(2, True, 3, 0.02)
+    assert not g.allows(2) and g.allows(1) and g.switched_off == 1
+    for _ in range(49):
+        g.observe(2, False, 2, 0.01)
+    assert not g.allows(2)
+    g.observe(2, False, 2, 0.01)
+    assert g.allows(2)  # after the cooldown it is tried again
+    # a window with one slow step among fast ones is not a loss
+    for i in range(8):
+        g.observe(2, True, 5, 0.05 if i == 3 else 0.02)
+    assert g.allows(2) and g.switched_off == 1
+
+
+def test_scheduler_reports_the_guard() -> None:
+    s = Scheduler(FakeRunner(4000), FakeTokenizer(), SchedulerConfig(num_pages=4000, max_context_len=10_000,
+                                                                      speculative=SpecConfig("ngram")), [EOS], VOCAB)
+    run_all(s, _requests(2, seed=4))
+    assert s.spec is not None and s.spec.guard is not None and s.spec.guard._steps > 0
+    assert s.server_info()["spec_decode_times_switched_off"] >= 0
