@@ -63,15 +63,16 @@ class ServerArgs:
                                    "they are ended with an error (new requests get 503 at once).")
     tool_call_parser: str | None = _opt(None, "Read tool calls in the model's own format, which allows "
                                         "tool_choice 'auto': hermes (Qwen2.5/3, Hermes), llama3_json, mistral, "
-                                        "pythonic, qwen3_coder, a plugin's name, or auto (from the chat "
-                                        "template).")
+                                        "pythonic, qwen3_coder, openai (gpt-oss harmony), a plugin's name, or "
+                                        "auto (from the chat template).")
     max_logprobs: int = _opt(20, "Most top logprobs a request may ask for (top_logprobs, logprobs, "
                              "prompt_logprobs); -1: any number, and -1 in a request means the whole vocabulary "
                              "(vLLM's flag).")
     return_tokens_as_token_ids: bool = _opt(False, "Logprobs name every token as token_id:N (vLLM's flag; a request's "
                                             "own return_tokens_as_token_ids also turns it on).")
     reasoning_parser: str | None = _opt(None, "Split the model's thinking from its answer into reasoning_content: "
-                                        "qwen3, deepseek_r1 (<think>...</think>), a plugin's name, or auto (from "
+                                        "qwen3, deepseek_r1 (<think>...</think>), openai_gptoss (gpt-oss harmony), "
+                                        "a plugin's name, or auto (from "
                                         "the chat template). Structured output and tool calls then apply to the "
                                         "answer after the thinking.")
 

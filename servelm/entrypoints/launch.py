@@ -88,6 +88,20 @@ def cache_config_labels(args: ServerArgs, info: dict[str, Any]) -> dict[str, Any
             "num_cpu_blocks": None}
 
 
+def _load_harmony_if_used(args: Any, tokenizer: Any) -> None:
+    """With the harmony parsers (gpt-oss), load openai-harmony's encoding before serving, so that a missing
+    package or vocabulary stops start-up with one line (servelm.entrypoints.harmony says what to do)."""
+    from servelm.entrypoints import reasoning, tool_parsers
+
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else None
+    fmt = reasoning.resolve(args.reasoning_parser, template)
+    if (fmt is not None and fmt.harmony) or tool_parsers.resolve(args.tool_call_parser, template) == "openai":
+        from servelm.entrypoints import harmony
+
+        harmony.encoding(tokenizer)
+
+
 async def _startup(state: ServerState) -> None:
     """Load the tokenizer while the scheduler loads the model; then mark ready and watch the scheduler."""
     args = state.server_args
@@ -107,6 +121,11 @@ async def _startup(state: ServerState) -> None:
             tokenizer = await tokenizer_task
         except Exception as exc:
             state.fail(f"Could not load the tokenizer: {type(exc).__name__}: {exc}")
+            return
+        try:
+            await asyncio.to_thread(_load_harmony_if_used, args, tokenizer)
+        except RuntimeError as exc:  # HarmonyUnavailable: what to install or set
+            state.fail(str(exc))
             return
         manager.set_tokenizer(tokenizer)
         manager.model_info = dict(msg.get("model_info") or {})

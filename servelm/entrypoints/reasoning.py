@@ -7,6 +7,8 @@ A format is the pair of markers around the thinking and where an output starts:
 * `deepseek_r1` (DeepSeek-R1 and its distills): the same markers, but the output starts inside the block (the
   template opens it in the prompt; R1-0528 writes `<think>` again, which is dropped); an output without
   `</think>` is all reasoning (it was cut off while thinking).
+* `openai_gptoss` (vLLM's name; `gpt-oss`, SGLang's): gpt-oss's harmony `analysis` messages, read with the
+  openai-harmony package by servelm.entrypoints.harmony (not by markers).
 Either way, a prompt that ends with the opening marker (Qwen3-Thinking-2507, DeepSeek-R1) starts the output
 inside the block, and one that ends with the closing marker starts it in the answer.
 
@@ -37,9 +39,12 @@ class ReasoningFormat:
     start: str = "<think>"
     end: str = "</think>"
     starts_inside: bool = False  # the output begins in the reasoning whatever the prompt ends with
+    harmony: bool = False  # OpenAI's harmony messages (servelm.entrypoints.harmony reads them), not markers
 
 
-BUILTIN = {f.name: f for f in (ReasoningFormat("qwen3"), ReasoningFormat("deepseek_r1", starts_inside=True))}
+_HARMONY = {"start": "<|channel|>analysis<|message|>", "end": "<|end|>", "harmony": True}
+BUILTIN = {f.name: f for f in (ReasoningFormat("qwen3"), ReasoningFormat("deepseek_r1", starts_inside=True),
+                               ReasoningFormat("openai_gptoss", **_HARMONY), ReasoningFormat("gpt-oss", **_HARMONY))}
 
 
 def formats() -> dict[str, ReasoningFormat]:
@@ -70,6 +75,8 @@ def auto_format(chat_template: str | None) -> ReasoningFormat | None:
     `enable_thinking` (Qwen3's switch) for qwen3, else deepseek_r1 (its templates open the block in the prompt,
     which the prompt check handles for Qwen3-Thinking-2507 as well)."""
     template = chat_template or ""
+    if "<|channel|>" in template and "analysis" in template:
+        return BUILTIN["openai_gptoss"]
     if "<think>" not in template or "</think>" not in template:
         return None
     return BUILTIN["qwen3" if "enable_thinking" in template else "deepseek_r1"]

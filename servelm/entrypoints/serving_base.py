@@ -132,18 +132,41 @@ class OpenAIServing:
         """The --tool-call-parser (auto: picked from the chat template, None when it shows no known format)."""
         return self._tool_parser_name
 
-    def reasoning_stream(self, prompt: list[int]) -> ReasoningStream | None:
-        """A splitter for one output of `prompt` (None without a reasoning parser)."""
+    def reasoning_stream(self, prompt: list[int], tools: Any = None) -> ReasoningStream | None:
+        """A splitter for one output of `prompt` (None without a reasoning parser). `tools`: the request's
+        ToolPlan (a harmony splitter hands the `openai` tool parser the output as written)."""
         fmt = self.reasoning_format()
-        return None if fmt is None else ReasoningStream(fmt, reasoning.prompt_tail(self.manager, prompt))
+        if fmt is None:
+            return None
+        if fmt.harmony:
+            from servelm.entrypoints.harmony import HarmonyReasoningStream
 
-    def gate_constraint(self, params: SamplingParams, prompt: list[int]) -> None:
-        """With a reasoning parser, a constrained output (tools, response_format) is left free while the model
-        thinks: the constraint starts after the closing marker (SGLang's choice; the scheduler's `gate`)."""
-        stream = self.reasoning_stream(prompt)
-        if stream is None or not (params.json_schema or params.regex or params.ebnf) or stream.state == "answer":
+            parser = getattr(tools, "parser", None)
+            return HarmonyReasoningStream(fmt, self.manager.tokenizer,  # type: ignore[return-value]
+                                          markup=getattr(parser, "name", None) == "openai")
+        return ReasoningStream(fmt, reasoning.prompt_tail(self.manager, prompt))
+
+    def prepare_reasoning(self, params: SamplingParams, prompt: list[int]) -> None:
+        """With a reasoning parser: the output keeps its markers when they are special tokens, and a constrained
+        output (tools, response_format) is left free while the model thinks: the constraint starts after the
+        closing marker (SGLang's choice; the scheduler's `gate`)."""
+        fmt = self.reasoning_format()
+        if fmt is None:
             return
-        fmt, tokenizer = stream.fmt, self.manager.tokenizer
+        special = set(getattr(self.manager.tokenizer, "all_special_tokens", []) or [])
+        if fmt.harmony or fmt.start in special or fmt.end in special:  # the parser must see the markers
+            params.skip_special_tokens = False
+        constrained = bool(params.json_schema or params.regex or params.ebnf)
+        if fmt.harmony:
+            if constrained:  # the answer's place is a message header of several tokens, not one marker
+                raise bad(f"structured output and a tool_choice that forces a call are not supported with "
+                          f"--reasoning-parser {fmt.name} yet (harmony); use tool_choice auto with "
+                          "--tool-call-parser openai", "response_format")
+            return
+        stream = self.reasoning_stream(prompt)
+        if stream is None or not constrained or stream.state == "answer":
+            return
+        tokenizer = self.manager.tokenizer
         end = reasoning.marker_token(tokenizer, fmt.end)
         if end is None:
             raise bad(f"structured output and tool calls with --reasoning-parser {fmt.name} need '{fmt.end}' to be "

@@ -106,7 +106,7 @@ class ServingChat(OpenAIServing):
         with a reasoning parser, its thinking tokens go to `reasoning_counts`."""
         text = acc.full_text
         message = ChatResponseMessage(content=text)
-        split = self.reasoning_stream(prompt or [])
+        split = self.reasoning_stream(prompt or [], tools)
         if split is not None:
             split.feed(text)
             split.finish()
@@ -167,12 +167,7 @@ class ServingChat(OpenAIServing):
         if tools is not None and tools.auto:
             # Some tokenizers mark <tool_call> as special: keep such tokens in the text the parser reads.
             params.skip_special_tokens = False
-        fmt = self.reasoning_format()
-        if fmt is not None:
-            special = set(getattr(self.manager.tokenizer, "all_special_tokens", []) or [])
-            if fmt.start in special or fmt.end in special:  # the parser must see the markers
-                params.skip_special_tokens = False
-            self.gate_constraint(params, ids)
+        self.prepare_reasoning(params, ids)
         return ids, params, tools
 
     def chat_logprobs(self, out: TokenOut | Accumulated, as_ids: bool = False) -> ChatLogprobs:
@@ -240,7 +235,7 @@ class ChatStream:
             yield from self.start(index)
         thinking = ""
         if index not in self.splits:
-            self.splits[index] = self.serving.reasoning_stream(self.prompt)
+            self.splits[index] = self.serving.reasoning_stream(self.prompt, self.tools)
         split = self.splits[index]
         if split is not None:  # the thinking goes out as reasoning_content; the rest of the way sees the answer
             thinking, answer = split.feed(out.text)

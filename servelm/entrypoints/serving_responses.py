@@ -274,7 +274,7 @@ class ServingResponses(OpenAIServing):
                     messages = messages[1:]
                 ids = render(messages)
         params = self.sampling(req, len(ids), plan)
-        self.gate_constraint(params, ids)
+        self.prepare_reasoning(params, ids)
         resp = ResponseObject(model=self.state.model_name, status="queued" if req.background else "in_progress",
                               instructions=req.instructions, max_output_tokens=req.max_output_tokens,
                               temperature=req.temperature, top_p=req.top_p, store=req.store,
@@ -287,7 +287,7 @@ class ServingResponses(OpenAIServing):
                                            else req.tool_choice or ("auto" if req.tools else "none")),
                               text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
                               if req.text is not None else {"format": {"type": "text"}})
-        entry = Stored(resp, messages, split=self.reasoning_stream(ids), tools=plan)
+        entry = Stored(resp, messages, split=self.reasoning_stream(ids, plan), tools=plan)
         group = self.submit([ids], params, resp.id, req.stream)
         if req.store:
             self.store.put(entry)

@@ -10,7 +10,9 @@ OpenAI tool calls, whole or streamed (id and name first, then the arguments' JSO
 * `pythonic` (Llama 3.2 / 4 with pythonic templates, ToolACE): `[get_weather(city="Paris"), get_time()]` as the
   whole output;
 * `qwen3_coder` (Qwen3-Coder): `<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>`
-  `</tool_call>`.
+  `</tool_call>`;
+* `openai` (gpt-oss): harmony messages to `functions.NAME`, read with the openai-harmony package
+  (servelm.entrypoints.harmony).
 
 `auto` picks one from the chat template's own markers (`pick_parser`). Plugins: an entry point in the group
 `servelm.tool_parsers` naming a `ToolParser` subclass adds a parser by its name.
@@ -133,6 +135,14 @@ class ToolParser:
         """(content, calls) of a finished output; a call that is not complete and well formed is dropped, and
         with no call the whole text is the content."""
         scan = self.scan(text, final=True)
+        calls = self.calls_of(scan)
+        if not calls:
+            return text or None, []
+        return scan.content.strip() or None, calls
+
+    @staticmethod
+    def calls_of(scan: Scan) -> list[ToolCall]:
+        """The complete, well-formed calls of a finished scan."""
         calls = []
         for c in scan.calls:
             if not (c.done and c.name):
@@ -142,9 +152,7 @@ class ToolParser:
             except json.JSONDecodeError:
                 continue
             calls.append(ToolCall(id=random_id("call"), function=FunctionCall(name=c.name, arguments=c.args or "{}")))
-        if not calls:
-            return text or None, []
-        return scan.content.strip() or None, calls
+        return calls
 
     def stream(self) -> CallStream:
         return CallStream(self)
@@ -441,6 +449,40 @@ class Qwen3CoderParser(ToolParser):
             return value
 
 
+# ---------------------------------------------------------------------------------------------- openai (harmony)
+class HarmonyToolParser(ToolParser):
+    """gpt-oss's harmony messages (servelm.entrypoints.harmony reads them with openai-harmony): a message to
+    `functions.NAME` is a call with the message as its JSON arguments; the content is the final and preamble
+    messages' text, never the analysis (the reasoning parser's)."""
+
+    name = "openai"
+
+    def __init__(self, tools: Sequence[ChatTool] | None = None) -> None:
+        super().__init__(tools)
+        self._reader: Any = None  # the HarmonyReader of the text scanned last
+
+    def scan(self, text: str, final: bool) -> Scan:
+        from servelm.entrypoints import harmony
+
+        reader = self._reader
+        if reader is None or not text.startswith(reader.text) or (reader.finished and text != reader.text):
+            reader = self._reader = harmony.HarmonyReader(harmony.encoding())
+        read = reader.feed(text[len(reader.text):])
+        if final:
+            read = reader.finish()
+        return Scan(read.content, [PartialCall(c.name, c.args if c.done else _json_stable(c.args), c.done)
+                                   for c in read.calls])
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        scan = self.scan(text, final=True)
+        return scan.content.strip() or None, self.calls_of(scan)
+
+    def stream(self) -> CallStream:
+        fresh = type(self)()  # a reader of its own per streamed choice
+        fresh.tools = self.tools
+        return CallStream(fresh)
+
+
 # ---------------------------------------------------------------------------------------------- the registry
 class HermesParser(ToolParser):
     """`<tool_call>{json}</tool_call>` (servelm.entrypoints.tool_calls keeps its scanner)."""
@@ -459,7 +501,7 @@ class HermesParser(ToolParser):
 
 
 BUILTIN: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser)}
+    HermesParser, Llama3JsonParser, MistralParser, PythonicParser, Qwen3CoderParser, HarmonyToolParser)}
 
 
 def parsers() -> dict[str, type[ToolParser]]:
@@ -472,6 +514,8 @@ def parsers() -> dict[str, type[ToolParser]]:
 def pick_parser(chat_template: str | None) -> str | None:
     """The parser a chat template's own markers imply (`--tool-call-parser auto`), or None."""
     t = chat_template or ""
+    if "<|call|>" in t or "to=functions." in t:
+        return "openai"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
     if "<tool_call>" in t:
