@@ -48,6 +48,14 @@ class ServerArgs:
                                       aliases=("--max-model-len",))
     chat_template: str | None = _opt(None, "Chat template override: a Jinja file path or template string.")
     trust_remote_code: bool = _opt(False, "Accepted for compatibility; remote code is never run.")
+    is_embedding: bool = _opt(False, "Serve the model as an embedding model: /v1/embeddings, no generation "
+                              "(SGLang's flag; an encoder such as BertModel, or a sentence-transformers folder, is "
+                              "detected without it).")
+    runner: str = _opt("auto", "vLLM's --runner: pooling (= --is-embedding), generate, or auto (detected from the "
+                       "model).", choices=["auto", "generate", "pooling"])
+    pooling: str | None = _opt(None, "How an embedding model pools its token states: mean, cls (first token) or last "
+                               "(last token); overrides the model's sentence-transformers files.",
+                               choices=["mean", "cls", "last"])
 
     # HTTP server
     host: str = _opt("127.0.0.1", "Host to bind.")
@@ -152,6 +160,8 @@ class ServerArgs:
             (self.num_threads is None or self.num_threads >= 1, f"--num-threads must be >= 1, got {self.num_threads}"),
             (self.max_queued_requests >= 1, f"--max-queued-requests must be >= 1, got {self.max_queued_requests}"),
         ]
+        checks.append((not (self.is_embedding and self.runner == "generate"),
+                       "--is-embedding and --runner generate contradict each other: choose one"))
         for ok, msg in checks:
             if not ok:
                 raise ConfigError(msg)

@@ -225,6 +225,15 @@ def context_length_error(prompt_len: int, max_new_tokens: int | None, context_le
     return None
 
 
+def input_length_error(length: int, limit: int, what: str = "input") -> str | None:
+    """Why an input of `length` tokens cannot be embedded whole by a model that reads at most `limit`, or
+    None (an embedding model's whole context is the input: `limit` tokens fit)."""
+    if length <= limit:
+        return None
+    return (f"The input ({length} tokens) is longer than the model's context length ({limit} tokens). Shorten the "
+            f"{what}, or pass truncate_prompt_tokens (at most {limit}) to cut it.")
+
+
 # ----------------------------------------------------------------- one step's rows (scheduler -> sampler)
 @dataclass
 class SamplingRow:

@@ -46,6 +46,7 @@ from servelm.entrypoints.responses_protocol import ResponseObject, ResponsesRequ
 from servelm.entrypoints.server_state import ServerState  # re-exported: launch builds it
 from servelm.entrypoints.serving_chat import ServingChat
 from servelm.entrypoints.serving_completions import ServingCompletions
+from servelm.entrypoints.serving_embedding import EmbeddingRequest, ServingEmbedding
 from servelm.entrypoints.serving_native import ServingNative
 from servelm.entrypoints.serving_responses import ServingResponses
 from servelm.entrypoints.serving_score import ScoreRequest, ScoreResponse, ServingScore
@@ -79,6 +80,12 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     native = ServingNative(state)
     _openai_routes(app, state, ServingChat(state), ServingCompletions(state), ServingResponses(state), native)
     _native_routes(app, native, ServingScore(state))
+    embedding = ServingEmbedding(state)
+
+    @app.post("/v1/embeddings")
+    async def create_embeddings(req: EmbeddingRequest, request: Request) -> Any:
+        return await embedding.create(req, request)
+
     _operations_routes(app, state, native)
     mount_chat_page(app)
     return app

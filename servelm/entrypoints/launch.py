@@ -132,11 +132,18 @@ async def _startup(state: ServerState) -> None:
         info = manager.model_info
         state.metrics.set_cache_config(cache_config_labels(args, info))
         state.ready = True
-        logger.info("servelm ready in %.1f s: model %s (%s), dtype %s, KV capacity %s tokens, context %s, "
-                    "serving at http://%s:%d", time.monotonic() - state.started_at, state.model_name,
-                    info.get("architecture", "?"),
-                    info.get("dtype", "?"), info.get("kv_capacity_tokens", "?"),
-                    info.get("max_context_length", "?"), args.host, args.port)
+        if info.get("task") == "embed":
+            logger.info("servelm ready in %.1f s: embedding model %s (%s), %s dimensions, %s pooling, at most %s "
+                        "tokens an input, serving POST /v1/embeddings at http://%s:%d",
+                        time.monotonic() - state.started_at, state.model_name, info.get("architecture", "?"),
+                        info.get("embedding_dimensions", "?"), info.get("pooling", "?"),
+                        info.get("max_context_length", "?"), args.host, args.port)
+        else:
+            logger.info("servelm ready in %.1f s: model %s (%s), dtype %s, KV capacity %s tokens, context %s, "
+                        "serving at http://%s:%d", time.monotonic() - state.started_at, state.model_name,
+                        info.get("architecture", "?"),
+                        info.get("dtype", "?"), info.get("kv_capacity_tokens", "?"),
+                        info.get("max_context_length", "?"), args.host, args.port)
         while True:
             await asyncio.sleep(0.5)
             proc = state.proc

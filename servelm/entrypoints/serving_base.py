@@ -188,10 +188,20 @@ class OpenAIServing:
             raise bad(error, param)
         return self.manager.vocab_size if value == -1 else value
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, task: str | None = "generate") -> None:
+        """A 404 for another model's name; a 400 when the served model does not do `task` (an embedding
+        model does not generate, a generative server does not embed; None: either)."""
         if name and name != self.state.model_name:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves `{self.state.model_name}`.",
                            param="model", code="model_not_found")
+        embeds = self.manager.model_info.get("task") == "embed"
+        if task == "generate" and embeds:
+            raise bad(f"`{self.state.model_name}` is an embedding model: this server answers POST /v1/embeddings, "
+                      "not generation. Serve a generative model for chat and completions.", "model")
+        if task == "embed" and not embeds:
+            raise bad(f"`{self.state.model_name}` is a generative model: this server does not embed. Start an "
+                      "embedding server with `servelm serve --model-path <embedding model> --is-embedding` (vLLM: "
+                      "--runner pooling).", "model")
 
     def check_ids(self, ids: list[int], param: str) -> None:
         error = token_ids_error(ids, self.manager.vocab_size, param)

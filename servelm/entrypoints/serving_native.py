@@ -156,7 +156,7 @@ class ServingNative(OpenAIServing):
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """POST /v1/tokenize: a prompt or chat messages (through the chat template) to token ids."""
-        self.check_model(req.model)
+        self.check_model(req.model, task=None)
         if (req.prompt is None) == (req.messages is None):
             raise bad("give exactly one of prompt or messages", "prompt")
         if req.messages is not None:
@@ -173,7 +173,7 @@ class ServingNative(OpenAIServing):
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         """POST /v1/detokenize: token ids to text."""
-        self.check_model(req.model)
+        self.check_model(req.model, task=None)
         error = token_ids_error(req.tokens, self.manager.vocab_size, "tokens") if req.tokens else None
         if error:
             raise bad(error, "tokens")

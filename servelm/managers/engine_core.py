@@ -24,6 +24,10 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
     # The default model is resolved (and logged) once, here; every rank then gets its path.
     server_args = with_dist_init_addr(
         server_args.replace(model_path=model_path_or_default(server_args.model_path, announce=True)))
+    from servelm.model_loader.pooling import embedding_mode
+
+    if embedding_mode(server_args, server_args.model_path):
+        return build_embedding_scheduler(server_args)
     # Checked before any rank process starts, so a bad --tp-size is one clear error.
     source = load_model_source(server_args.model_path)
     check_tp_divisibility(source.config, server_args.tp_size)
@@ -53,6 +57,17 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                                int(server_args.prefix_cache_size_gb * 1e9))
     return Scheduler(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info(),
                      on_shutdown=lambda: _shutdown(runner, workers), disk_cache=disk)
+
+
+def build_embedding_scheduler(server_args: ServerArgs) -> Any:
+    """An embedding server's scheduler over its encoder (no KV pool, no TP ranks)."""
+    from servelm.managers.embedding_scheduler import EmbeddingScheduler
+    from servelm.model_executor.embedding_runner import EmbeddingRunner
+
+    runner = EmbeddingRunner(server_args, server_args.model_path)
+    # The token budget of a step: at least a whole longest input; more inputs share the forward.
+    budget = max(server_args.chunked_prefill_size * 4, runner.max_context_len)
+    return EmbeddingScheduler(runner, budget, runner.max_context_len, runner.config.vocab_size)
 
 
 def _shutdown(runner: Any, workers: Any) -> None:

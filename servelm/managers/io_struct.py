@@ -127,6 +127,8 @@ class TokenOut:
     # In the final output: seconds the request spent queued, prefilling (to its first token) and decoding
     # (first to last token), as the scheduler measured them (vLLM's request_*_time_seconds).
     timings: dict[str, float] | None = None
+    # An embedding server's output (its only one): the input's embedding, float32 little-endian in base64.
+    embedding: str | None = None
 
 
 @dataclass
@@ -182,8 +184,11 @@ class OutputAccumulator:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
     label_logprobs: list[float] | None = None
+    embedding: str | None = None
 
     def add(self, out: TokenOut) -> None:
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.label_logprobs is not None:
             self.label_logprobs = out.label_logprobs
         if out.prompt_logprobs is not None:

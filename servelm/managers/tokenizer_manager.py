@@ -125,7 +125,7 @@ class TokenizerManager:
         self.metrics = metrics
         self.tokenizer: Any = None
         self.model_info: dict[str, Any] = {}
-        self.max_in_flight = server_args.max_running_requests + server_args.max_queued_requests
+        self._max_in_flight = server_args.max_running_requests + server_args.max_queued_requests
         self.num_in_flight = 0
         self._subs: dict[str, _SubRequest] = {}  # by internal id
         # Every id a client can name (group rids and the public ids of their sub-requests), so that
@@ -168,6 +168,12 @@ class TokenizerManager:
         self._ctx.term()
 
     # ---------------------------------------------------------- tokenizer
+    @property
+    def max_in_flight(self) -> int:
+        """Sequences in flight at most. An embedding server's are single inputs (one forward each, no KV
+        held), so it holds 32 times as many: a request of OpenAI's 2048 inputs fits."""
+        return self._max_in_flight * (32 if self.model_info.get("task") == "embed" else 1)
+
     def set_tokenizer(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 

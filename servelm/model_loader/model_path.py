@@ -10,11 +10,14 @@ import os
 from typing import Any, Literal
 
 # Architectures (HF `config.architectures[0]`) the servelm model registry implements.
+# Encoders, served as embedding models (servelm.model_executor.embedding_runner).
+ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel",)
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    *ENCODER_ARCHITECTURES,
 )
 # For config.json files without an "architectures" entry.
 MODEL_TYPE_ARCHITECTURES = {

@@ -1,0 +1,94 @@
+"""The model side of an embedding server (`--is-embedding`, `--runner pooling`, or detected): a BERT-family
+encoder, its pooling as the model's sentence-transformers files say, one forward per batch of whole inputs.
+No KV cache: an input is read once, whole (attention is bidirectional), and forgotten.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from servelm.config import ConfigError, ServerArgs
+from servelm.model_loader.model_path import ENCODER_ARCHITECTURES
+from servelm.model_loader.pooling import PoolingConfig, read_pooling
+
+logger = logging.getLogger(__name__)
+
+class EmbeddingRunner:
+    """Owns an encoder and embeds batches of token-id lists."""
+
+    def __init__(self, server_args: ServerArgs, model_path: str) -> None:
+        from safetensors import safe_open
+
+        from servelm.model_loader.model_path import read_hf_config
+        from servelm.model_loader.safetensors import _weight_files
+        from servelm.model_loader.tokenizer import load_tokenizer
+        from servelm.models.bert import BertEncoder
+
+        t0 = time.perf_counter()
+        if os.path.isfile(model_path):
+            raise ConfigError(f"{model_path}: an embedding model is served from a Hugging Face folder "
+                              "(config.json + safetensors); GGUF encoders are not supported yet")
+        if server_args.tp_size > 1:
+            raise ConfigError("an embedding model runs on one rank: --tp-size must be 1")
+        if server_args.dtype not in ("auto", "float32"):
+            raise ConfigError(f"--dtype {server_args.dtype}: embedding models run in float32 for now")
+        if server_args.quantization not in ("auto", "none"):
+            raise ConfigError(f"--quantization {server_args.quantization}: not supported for embedding models yet")
+        raw, architecture = read_hf_config(model_path)
+        if architecture not in ENCODER_ARCHITECTURES:
+            raise ConfigError(f"{model_path}: {architecture} as an embedding model is not supported yet "
+                              f"(encoders: {', '.join(ENCODER_ARCHITECTURES)})")
+        import transformers
+
+        self.config = config = transformers.AutoConfig.from_pretrained(model_path, local_files_only=True)
+        self.model_path = model_path
+        pooling = read_pooling(model_path)
+        if server_args.pooling is not None:
+            pooling = PoolingConfig(server_args.pooling, pooling.normalize, pooling.max_seq_length, "--pooling")
+        self.pooling = pooling
+        limits = [config.max_position_embeddings, pooling.max_seq_length, server_args.context_length]
+        self.max_context_len = min(v for v in limits if v)
+        self.model = BertEncoder(config)
+        with torch.no_grad():
+            files = _weight_files(model_path)
+
+            def tensors() -> Any:
+                for path, names in files.items():
+                    with safe_open(path, framework="pt", device="cpu") as f:
+                        for name in names:
+                            yield name, f.get_tensor(name).to(torch.float32)
+
+            self.model.load_weights(tensors())
+        self.model.eval()
+        self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path, None)
+        self.architecture = architecture
+        self.hidden_size = config.hidden_size
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("embedding model %s (%s) loaded in %.1f s: %d dimensions, %s pooling%s (%s), at most %d tokens "
+                    "an input", model_path, architecture, time.perf_counter() - t0, self.hidden_size, pooling.mode,
+                    ", normalised" if pooling.normalize else "", pooling.source, self.max_context_len)
+
+    @torch.inference_mode()
+    def embed(self, seqs: list[list[int]]) -> list[str]:
+        """One forward over `seqs` (whole inputs): each one's embedding as base64 of float32 little-endian
+        (OpenAI's `encoding_format: base64`, and compact on the scheduler's socket)."""
+        from servelm.models.bert import PackedBatch, pool
+
+        batch = PackedBatch.of(seqs)
+        out = pool(self.model(batch), batch.lengths, self.pooling.mode, self.pooling.normalize)
+        rows = out.to(torch.float32).contiguous().numpy().astype("<f4")
+        return [base64.b64encode(row.tobytes()).decode() for row in rows]
+
+    def model_info(self) -> dict[str, Any]:
+        return {"task": "embed", "architecture": self.architecture, "dtype": "float32",
+                "hidden_size": self.hidden_size, "embedding_dimensions": self.hidden_size,
+                "pooling": self.pooling.mode, "normalize": self.pooling.normalize,
+                "max_context_length": self.max_context_len, "model_context_length": self.max_context_len,
+                "vocab_size": self.config.vocab_size, "weight_bytes": self.weight_bytes,
+                "model_path": self.model_path, "kv_capacity_tokens": 0}

@@ -1,0 +1,85 @@
+"""An embedding model's pooling, read from its sentence-transformers files, and whether a model folder is
+served as an embedding model at all. Torch-free (the API process and the scheduler both read it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from servelm.dataclass_flags import ConfigError
+from servelm.model_loader.model_path import ENCODER_ARCHITECTURES, read_hf_config
+
+POOLING_MODES = ("mean", "cls", "last")
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    """How token states become one embedding: `mode`, unit length or not, and sentence-transformers' own
+    input limit (`max_seq_length`, which it truncates to; None without sentence_bert_config.json)."""
+
+    mode: str
+    normalize: bool
+    max_seq_length: int | None = None
+    source: str = "default"  # where it came from (logged)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_pooling(folder: str, default_mode: str = "cls") -> PoolingConfig:
+    """The pooling a sentence-transformers folder declares: modules.json names its Pooling module (whose
+    config.json picks CLS, mean or last-token) and whether a Normalize module follows. Without modules.json:
+    `default_mode`, not normalised (a plain BertModel, as vLLM pools one)."""
+    modules = _read_json(os.path.join(folder, "modules.json"))
+    st_config = _read_json(os.path.join(folder, "sentence_bert_config.json")) or {}
+    max_len = st_config.get("max_seq_length") if isinstance(st_config, dict) else None
+    max_len = int(max_len) if isinstance(max_len, int) and max_len > 0 else None
+    if not isinstance(modules, list):
+        return PoolingConfig(default_mode, False, max_len)
+    types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
+    normalize = any(t.endswith(".Normalize") for t in types)
+    mode = default_mode
+    for m in modules:
+        if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling"):
+            cfg = _read_json(os.path.join(folder, str(m.get("path", "")), "config.json")) or {}
+            if cfg.get("pooling_mode_cls_token"):
+                mode = "cls"
+            elif cfg.get("pooling_mode_lasttoken"):
+                mode = "last"
+            elif cfg.get("pooling_mode_mean_tokens"):
+                mode = "mean"
+            else:
+                chosen = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
+                raise ConfigError(f"{folder}: pooling {', '.join(chosen) or 'none'} is not supported (mean, cls "
+                                  "or last token); pass --pooling to choose one")
+    return PoolingConfig(mode, normalize, max_len, "modules.json")
+
+
+def is_embedding_model(folder: str, architecture: str | None) -> bool:
+    """An encoder architecture, or a sentence-transformers folder (modules.json with a Pooling module)."""
+    if architecture in ENCODER_ARCHITECTURES:
+        return True
+    modules = _read_json(os.path.join(folder, "modules.json")) if os.path.isdir(folder) else None
+    return isinstance(modules, list) and any(
+        isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling") for m in modules)
+
+
+def embedding_mode(server_args: Any, model_path: str) -> bool:
+    """Whether `model_path` is served as an embedding model: asked for (--is-embedding, --runner pooling),
+    refused (--runner generate), or detected (an encoder architecture or a sentence-transformers folder)."""
+    if server_args.is_embedding or server_args.runner == "pooling":
+        return True
+    if server_args.runner == "generate" or not os.path.isdir(model_path):
+        return False
+    try:
+        _, architecture = read_hf_config(model_path)
+    except Exception:  # an architecture servelm does not know: modules.json alone decides
+        architecture = None
+    return is_embedding_model(model_path, architecture)
