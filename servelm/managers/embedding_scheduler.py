@@ -48,6 +48,9 @@ class EmbeddingScheduler:
         """Queue one input; ValueError when it can never be embedded (the API checks the same first)."""
         if not req.input_ids:
             raise ValueError("an input to embed needs at least one token")
+        if req.sampling_params.get("max_new_tokens") or req.label_token_ids:
+            raise ValueError("this is an embedding model: it embeds inputs (POST /v1/embeddings) and does not "
+                             "generate or score")
         error = token_ids_error(req.input_ids, self.vocab_size) or input_length_error(
             len(req.input_ids), self.max_context_len)
         if error:
