@@ -13,6 +13,7 @@ BENCHES = {
     "images": "servelm.bench.images",
     "quant": "servelm.bench.quant_probe",
     "detokenize": "servelm.bench.detokenize",
+    "embeddings": "servelm.bench.embeddings",
 }
 
 

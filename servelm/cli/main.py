@@ -38,7 +38,8 @@ commands:
              (servelm serve --help lists the options)
   generate   one-shot offline generation: servelm generate [--model-path MODEL] --prompt TEXT
              (a diffusers folder: images, servelm generate --model-path DIR --help)
-  bench      benchmarks: servelm bench {one-batch,offline,serving,allreduce,deterministic,images,quant} --help
+  bench      benchmarks: servelm bench KIND --help (one-batch, offline, serving, embeddings, allreduce,
+             deterministic, images, quant, detokenize)
   backends   list the serve backends, where they come from and whether they load
   version    print the servelm version
 """

@@ -36,8 +36,8 @@ class EmbeddingRunner:
                               "(config.json + safetensors); GGUF encoders are not supported yet")
         if server_args.tp_size > 1:
             raise ConfigError("an embedding model runs on one rank: --tp-size must be 1")
-        if server_args.dtype not in ("auto", "float32"):
-            raise ConfigError(f"--dtype {server_args.dtype}: embedding models run in float32 for now")
+        if server_args.dtype == "float16":
+            raise ConfigError("--dtype float16: embedding models run in float32 (auto) or bfloat16")
         if server_args.quantization not in ("auto", "none"):
             raise ConfigError(f"--quantization {server_args.quantization}: not supported for embedding models yet")
         raw, architecture = read_hf_config(model_path)
@@ -65,14 +65,17 @@ class EmbeddingRunner:
                             yield name, f.get_tensor(name).to(torch.float32)
 
             self.model.load_weights(tensors())
-        self.model.eval()
+        # bfloat16 on request only: 2.5x the speed on a CPU with AVX-512 BF16, at a cosine of ~0.99993 to fp32
+        # (docs/embeddings.md); fp32 is what sentence-transformers computes.
+        self.dtype = torch.bfloat16 if server_args.dtype == "bfloat16" else torch.float32
+        self.model.to(self.dtype).eval()
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path, None)
         self.architecture = architecture
         self.hidden_size = config.hidden_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("embedding model %s (%s) loaded in %.1f s: %d dimensions, %s pooling%s (%s), at most %d tokens "
-                    "an input", model_path, architecture, time.perf_counter() - t0, self.hidden_size, pooling.mode,
-                    ", normalised" if pooling.normalize else "", pooling.source, self.max_context_len)
+        logger.info("embedding model %s (%s, %s) loaded in %.1f s: %d dimensions, %s pooling%s (%s), at most %d tokens "
+                    "an input", model_path, architecture, self.dtype, time.perf_counter() - t0, self.hidden_size,
+                    pooling.mode, ", normalised" if pooling.normalize else "", pooling.source, self.max_context_len)
 
     @torch.inference_mode()
     def embed(self, seqs: list[list[int]]) -> list[str]:
@@ -81,12 +84,12 @@ class EmbeddingRunner:
         from servelm.models.bert import PackedBatch, pool
 
         batch = PackedBatch.of(seqs)
-        out = pool(self.model(batch), batch.lengths, self.pooling.mode, self.pooling.normalize)
+        out = pool(self.model(batch).float(), batch.lengths, self.pooling.mode, self.pooling.normalize)
         rows = out.to(torch.float32).contiguous().numpy().astype("<f4")
         return [base64.b64encode(row.tobytes()).decode() for row in rows]
 
     def model_info(self) -> dict[str, Any]:
-        return {"task": "embed", "architecture": self.architecture, "dtype": "float32",
+        return {"task": "embed", "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
                 "hidden_size": self.hidden_size, "embedding_dimensions": self.hidden_size,
                 "pooling": self.pooling.mode, "normalize": self.pooling.normalize,
                 "max_context_length": self.max_context_len, "model_context_length": self.max_context_len,
