@@ -48,6 +48,7 @@ from servelm.entrypoints.serving_chat import ServingChat
 from servelm.entrypoints.serving_completions import ServingCompletions
 from servelm.entrypoints.serving_embedding import EmbeddingRequest, ServingEmbedding
 from servelm.entrypoints.serving_native import ServingNative
+from servelm.entrypoints.serving_rerank import RerankRequest, ServingRerank
 from servelm.entrypoints.serving_responses import ServingResponses
 from servelm.entrypoints.serving_score import ScoreRequest, ScoreResponse, ServingScore
 from servelm.managers.tokenizer_manager import SchedulerUnavailableError
@@ -85,6 +86,14 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     @app.post("/v1/embeddings")
     async def create_embeddings(req: EmbeddingRequest, request: Request) -> Any:
         return await embedding.create(req, request)
+
+    reranking = ServingRerank(state)
+
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    @app.post("/rerank")
+    async def rerank(req: RerankRequest, request: Request) -> Any:
+        return await reranking.rerank(req, request)
 
     _operations_routes(app, state, native)
     mount_chat_page(app)

@@ -189,19 +189,28 @@ class OpenAIServing:
         return self.manager.vocab_size if value == -1 else value
 
     def check_model(self, name: str | None, task: str | None = "generate") -> None:
-        """A 404 for another model's name; a 400 when the served model does not do `task` (an embedding
-        model does not generate, a generative server does not embed; None: either)."""
+        """A 404 for another model's name; a 400 when the served model does not do `task`: "generate", "embed"
+        (an embedding model) or "score" (a cross-encoder's rerank); None: any."""
         if name and name != self.state.model_name:
             raise ApiError(404, f"The model `{name}` does not exist. This server serves `{self.state.model_name}`.",
                            param="model", code="model_not_found")
-        embeds = self.manager.model_info.get("task") == "embed"
-        if task == "generate" and embeds:
-            raise bad(f"`{self.state.model_name}` is an embedding model: this server answers POST /v1/embeddings, "
-                      "not generation. Serve a generative model for chat and completions.", "model")
-        if task == "embed" and not embeds:
-            raise bad(f"`{self.state.model_name}` is a generative model: this server does not embed. Start an "
-                      "embedding server with `servelm serve --model-path <embedding model> --is-embedding` (vLLM: "
-                      "--runner pooling).", "model")
+        served = self.manager.model_info.get("task") or "generate"
+        if task is None or task == served:
+            return
+        model = f"`{self.state.model_name}`"
+        if served == "embed":
+            raise bad(f"{model} is an embedding model: this server answers POST /v1/embeddings, not "
+                      + ("reranking, which needs a cross-encoder (BertForSequenceClassification)." if task == "score"
+                         else "generation. Serve a generative model for chat and completions."), "model")
+        if served == "score":
+            raise bad(f"{model} is a cross-encoder (a reranker): this server answers POST /v1/rerank, which scores "
+                      "query-document pairs; it neither embeds nor generates.", "model")
+        if task == "embed":
+            raise bad(f"{model} is a generative model: this server does not embed. Start an embedding server with "
+                      "`servelm serve --model-path <embedding model> --is-embedding` (vLLM: --runner pooling).",
+                      "model")
+        raise bad(f"{model} is a generative model: reranking needs a cross-encoder server (`servelm serve "
+                  "--model-path <BertForSequenceClassification folder>`).", "model")
 
     def check_ids(self, ids: list[int], param: str) -> None:
         error = token_ids_error(ids, self.manager.vocab_size, param)
@@ -297,9 +306,10 @@ class OpenAIServing:
         return params
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool,
-               label_token_ids: list[int] | None = None) -> RequestGroup:
+               label_token_ids: list[int] | None = None,
+               token_type_ids: list[list[int]] | None = None) -> RequestGroup:
         try:
-            return self.manager.submit(prompts, params, rid, stream, label_token_ids)
+            return self.manager.submit(prompts, params, rid, stream, label_token_ids, token_type_ids)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_exceeded", code="rate_limit_exceeded",
                            headers={"Retry-After": "1"}) from None

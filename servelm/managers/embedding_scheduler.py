@@ -19,7 +19,7 @@ from servelm.sampling_params import input_length_error, token_ids_error
 
 
 class EmbeddingModel(Protocol):
-    def embed(self, seqs: list[list[int]]) -> list[str]: ...
+    def embed(self, seqs: list[list[int]], token_types: list[list[int]] | None = None) -> list[str]: ...
 
     def model_info(self) -> dict[str, Any]: ...
 
@@ -29,6 +29,7 @@ class _Waiting:
     rid: str
     input_ids: list[int]
     arrived: float
+    token_types: list[int] | None = None
 
 
 class EmbeddingScheduler:
@@ -55,7 +56,10 @@ class EmbeddingScheduler:
             len(req.input_ids), self.max_context_len)
         if error:
             raise ValueError(error)
-        self.waiting.append(_Waiting(req.rid, list(req.input_ids), time.perf_counter()))
+        types = req.token_type_ids
+        if types is not None and (len(types) != len(req.input_ids) or any(t not in (0, 1) for t in types)):
+            raise ValueError("token_type_ids must give 0 or 1 for every input token")
+        self.waiting.append(_Waiting(req.rid, list(req.input_ids), time.perf_counter(), types))
         self.stats["prompt_tokens"] += len(req.input_ids)
 
     def abort_request(self, rid: str) -> list[TokenOut]:
@@ -83,7 +87,9 @@ class EmbeddingScheduler:
             return []
         started = time.perf_counter()
         try:
-            vectors = self.runner.embed([w.input_ids for w in batch])
+            types = [w.token_types or [0] * len(w.input_ids) for w in batch] \
+                if any(w.token_types for w in batch) else None
+            vectors = self.runner.embed([w.input_ids for w in batch], types)
         except Exception as exc:  # never end the loop: the batch's requests fail, the server serves on
             self.stats["aborted"] += len(batch)
             return [self._out(w, None, FinishReason.abort(f"embedding failed: {type(exc).__name__}: {exc}",

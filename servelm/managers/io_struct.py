@@ -26,6 +26,8 @@ class GenerateReq:
     # Scoring (SGLang's /v1/score): the logprobs of these token ids at the position after the prompt, reported
     # in the final TokenOut's `label_logprobs` (with max_new_tokens 0, nothing is generated).
     label_token_ids: list[int] | None = None
+    # An encoder's token types (BERT's segment ids: a cross-encoder's query 0, document 1); None: all 0.
+    token_type_ids: list[int] | None = None
 
 
 @dataclass

@@ -214,7 +214,8 @@ class TokenizerManager:
 
     # ----------------------------------------------------------- requests
     def submit(self, prompts: list[list[int]], params: SamplingParams, rid: str, stream: bool,
-               label_token_ids: list[int] | None = None) -> RequestGroup:
+               label_token_ids: list[int] | None = None,
+               token_type_ids: list[list[int]] | None = None) -> RequestGroup:
         """Send `len(prompts) * params.n` GenerateReqs; sub-request `p * n + i` samples prompt p with index i.
         With `label_token_ids`, each final output also has their logprobs after its prompt (scoring).
 
@@ -249,7 +250,8 @@ class TokenizerManager:
                 self._public[sub.public_id] = sub
                 self.num_in_flight += 1
                 self._send.send(encode(GenerateReq(rid=sub.rid, input_ids=list(ids), sampling_params=sampling,
-                                                   stream=stream, sample_index=i, label_token_ids=label_token_ids)))
+                                                   stream=stream, sample_index=i, label_token_ids=label_token_ids,
+                                                   token_type_ids=token_type_ids[p] if token_type_ids else None)))
         self._public[rid] = group
         if self.server_args.log_requests:
             logger.info("request %s: %d prompt(s) x n=%d, prompt tokens %s, params %s", rid, len(prompts), n,

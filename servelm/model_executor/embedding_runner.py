@@ -28,7 +28,7 @@ class EmbeddingRunner:
         from servelm.model_loader.model_path import read_hf_config
         from servelm.model_loader.safetensors import _weight_files
         from servelm.model_loader.tokenizer import load_tokenizer
-        from servelm.models.bert import BertEncoder
+        from servelm.models.bert import BertClassifier, BertEncoder
 
         t0 = time.perf_counter()
         if os.path.isfile(model_path):
@@ -54,7 +54,11 @@ class EmbeddingRunner:
         self.pooling = pooling
         limits = [config.max_position_embeddings, pooling.max_seq_length, server_args.context_length]
         self.max_context_len = min(v for v in limits if v)
-        self.model = BertEncoder(config)
+        # a cross-encoder scores pairs (its logits come back where an embedding would); an encoder embeds
+        self.task = "score" if architecture == "BertForSequenceClassification" else "embed"
+        st_config = raw.get("sentence_transformers") if isinstance(raw.get("sentence_transformers"), dict) else {}
+        self.activation = st_config.get("activation_fn")  # a cross-encoder's, when its config names one
+        self.model = BertClassifier(config) if self.task == "score" else BertEncoder(config)
         with torch.no_grad():
             files = _weight_files(model_path)
 
@@ -78,18 +82,23 @@ class EmbeddingRunner:
                     pooling.mode, ", normalised" if pooling.normalize else "", pooling.source, self.max_context_len)
 
     @torch.inference_mode()
-    def embed(self, seqs: list[list[int]]) -> list[str]:
-        """One forward over `seqs` (whole inputs): each one's embedding as base64 of float32 little-endian
-        (OpenAI's `encoding_format: base64`, and compact on the scheduler's socket)."""
+    def embed(self, seqs: list[list[int]], token_types: list[list[int]] | None = None) -> list[str]:
+        """One forward over `seqs` (whole inputs): each one's embedding (a cross-encoder's logits) as base64 of
+        float32 little-endian (OpenAI's `encoding_format: base64`, and compact on the scheduler's socket)."""
         from servelm.models.bert import PackedBatch, pool
 
-        batch = PackedBatch.of(seqs)
-        out = pool(self.model(batch).float(), batch.lengths, self.pooling.mode, self.pooling.normalize)
+        batch = PackedBatch.of(seqs, token_types)
+        if self.task == "score":
+            out = self.model(batch).float()
+        else:
+            out = pool(self.model(batch).float(), batch.lengths, self.pooling.mode, self.pooling.normalize)
         rows = out.to(torch.float32).contiguous().numpy().astype("<f4")
         return [base64.b64encode(row.tobytes()).decode() for row in rows]
 
     def model_info(self) -> dict[str, Any]:
-        return {"task": "embed", "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
+        return {"task": self.task, "num_labels": getattr(self.config, "num_labels", None),
+                "activation": self.activation,
+                "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
                 "hidden_size": self.hidden_size, "embedding_dimensions": self.hidden_size,
                 "pooling": self.pooling.mode, "normalize": self.pooling.normalize,
                 "max_context_length": self.max_context_len, "model_context_length": self.max_context_len,

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 # Architectures (HF `config.architectures[0]`) the servelm model registry implements.
 # Encoders, served as embedding models (servelm.model_executor.embedding_runner).
-ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel",)
+ENCODER_ARCHITECTURES: tuple[str, ...] = ("BertModel", "BertForSequenceClassification")
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",

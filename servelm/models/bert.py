@@ -107,14 +107,15 @@ class BertEncoder(nn.Module):
         return x
 
     # ------------------------------------------------------------------------------------------ weights
-    def load_weights(self, weights: Any) -> None:
-        """Copy HF `BertModel` tensors (names with or without the `bert.` prefix) into the modules; the
-        pooler and any task head are skipped. KeyError naming what is missing."""
+    def load_weights(self, weights: Any) -> dict[str, torch.Tensor]:
+        """Copy HF `BertModel` tensors (names with or without the `bert.` prefix) into the modules. KeyError
+        naming what is missing. Returns the tensors it did not use (the pooler, a task head)."""
         state = {}
         for name, tensor in weights:
             name = name.removeprefix("bert.")
             state[name] = tensor
         own = self.state_dict()
+        used = set()
         mapping = {"word.weight": "embeddings.word_embeddings.weight",
                    "position.weight": "embeddings.position_embeddings.weight",
                    "token_type.weight": "embeddings.token_type_embeddings.weight",
@@ -127,14 +128,43 @@ class BertEncoder(nn.Module):
                 mapping[me + f"up.{part}"] = hf + f"intermediate.dense.{part}"
                 mapping[me + f"down.{part}"] = hf + f"output.dense.{part}"
                 mapping[me + f"mlp_norm.{part}"] = hf + f"output.LayerNorm.{part}"
-                own[me + f"qkv.{part}"].copy_(torch.cat([state[hf + f"attention.self.{w}.{part}"]
-                                                         for w in ("query", "key", "value")]))
+                qkv = [hf + f"attention.self.{w}.{part}" for w in ("query", "key", "value")]
+                own[me + f"qkv.{part}"].copy_(torch.cat([state[n] for n in qkv]))
+                used.update(qkv)
         if "embeddings.token_type_embeddings.weight" not in state:  # models without token types
             state["embeddings.token_type_embeddings.weight"] = torch.zeros_like(own["token_type.weight"])
         for mine, theirs in mapping.items():
             if theirs not in state:
                 raise KeyError(f"the checkpoint has no {theirs}")
             own[mine].copy_(state[theirs])
+            used.add(theirs)
+        return {k: v for k, v in state.items() if k not in used and not k.endswith("position_ids")}
+
+
+class BertClassifier(nn.Module):
+    """`BertForSequenceClassification` (a cross-encoder: a query and a document in, relevance logits out): the
+    encoder, BERT's pooler (dense + tanh over the first token) and the classifier."""
+
+    def __init__(self, config: Any, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.encoder = BertEncoder(config, dtype)
+        self.pooler = nn.Linear(config.hidden_size, config.hidden_size, dtype=dtype)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels, dtype=dtype)
+        self.num_labels = config.num_labels
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        """Logits [B, num_labels]."""
+        hidden = self.encoder(batch)
+        first = hidden[batch.starts]
+        return self.classifier(torch.tanh(self.pooler(first)))
+
+    def load_weights(self, weights: Any) -> None:
+        rest = self.encoder.load_weights(weights)
+        for mine, theirs in (("pooler", "pooler.dense"), ("classifier", "classifier")):
+            for part in ("weight", "bias"):
+                if f"{theirs}.{part}" not in rest:
+                    raise KeyError(f"the checkpoint has no {theirs}.{part}")
+                getattr(self, mine).get_parameter(part).copy_(rest[f"{theirs}.{part}"])
 
 
 def pool(hidden: torch.Tensor, lengths: list[int], mode: str, normalize: bool) -> torch.Tensor:

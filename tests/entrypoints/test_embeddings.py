@@ -134,6 +134,8 @@ def test_generation_routes_refuse_an_embedding_model(server: ServerProcess, clie
     with pytest.raises(openai.BadRequestError, match="is an embedding model"):
         client.completions.create(model="minilm", prompt="hi", max_tokens=4)
     assert httpx.post(f"{server.base_url}/generate", json={"text": "hi"}, timeout=30).status_code == 400
+    r = httpx.post(f"{server.base_url}/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=30)
+    assert r.status_code == 400 and "reranking, which needs a cross-encoder" in r.json()["error"]["message"]
     assert httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": "hi"}, timeout=30).json()["count"] == 3
     models = client.models.list().data
     assert models[0].id == "minilm"

@@ -14,7 +14,7 @@ class FakeRunner:
         self.batches: list[list[list[int]]] = []
         self.fail = fail
 
-    def embed(self, seqs: list[list[int]]) -> list[str]:
+    def embed(self, seqs: list[list[int]], token_types: list[list[int]] | None = None) -> list[str]:
         if self.fail:
             raise RuntimeError("boom")
         self.batches.append(seqs)

@@ -138,3 +138,43 @@ def test_minilm_equals_sentence_transformers_on_200_sentences() -> None:
     ref = SentenceTransformer(os.fspath(path), device="cpu").encode(texts, convert_to_tensor=True)
     cos = torch.nn.functional.cosine_similarity(servelm_embed(runner, texts), ref)
     assert cos.min().item() >= 0.99999, cos.min()
+
+
+def cross_encoder_folder(out: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A tiny random BertForSequenceClassification (a cross-encoder) with the MiniLM tokenizer."""
+    torch.manual_seed(seed)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=96, max_position_embeddings=128, type_vocab_size=2,
+                                     num_labels=num_labels)
+    model = transformers.BertForSequenceClassification(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or "classifier" in name or "pooler" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out, safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(minilm.get_model_path()).save_pretrained(out)
+    return out
+
+
+PAIRS = [("what is a llama?", "A llama is a domesticated South American camelid."),
+         ("what is a llama?", "Paris is the capital of France."), ("", "empty query"), ("q", "word " * 30)]
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_cross_encoder_logits_equal_transformers(tmp_path: Path, num_labels: int) -> None:
+    import base64
+
+    import numpy as np
+
+    folder = cross_encoder_folder(tmp_path / "ce", num_labels)
+    runner = runner_of(folder)
+    assert runner.task == "score" and runner.model_info()["num_labels"] == num_labels
+    enc = [runner.tokenizer(q, d) for q, d in PAIRS]
+    got = np.stack([np.frombuffer(base64.b64decode(v), dtype="<f4") for v in runner.embed(
+        [e["input_ids"] for e in enc], [e["token_type_ids"] for e in enc])])
+    ref_model = transformers.BertForSequenceClassification.from_pretrained(folder).eval()
+    batch = runner.tokenizer([q for q, _ in PAIRS], [d for _, d in PAIRS], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        ref = ref_model(**batch).logits.numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert len({tuple(e["token_type_ids"]) for e in enc}) > 1 and 1 in enc[0]["token_type_ids"]

@@ -1,0 +1,97 @@
+"""POST /v1/rerank over real HTTP on a cross-encoder built in code (a tiny random BertForSequenceClassification):
+scores equal to sentence-transformers' CrossEncoder.predict, sorted, top_n, documents as text or objects, the
+/rerank and /v2/rerank aliases; bad input is a 400 and the server serves on; an embedding server and a
+generative one refuse rerank, and a reranker refuses embeddings and chat."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.models.test_bert import cross_encoder_folder
+from tests.server_fixtures import ServerProcess, start_server
+
+st = pytest.importorskip("sentence_transformers")
+
+pytestmark = pytest.mark.slow  # starts a server
+
+QUERY = "what do llamas eat?"
+DOCS = ["Llamas eat grass and hay.", "The stock market fell today.", "A llama is a camelid from South America.",
+        "Bonjour, ça va ?", "word " * 40]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cross_encoder_folder(tmp_path_factory.mktemp("reranker") / "ce")
+
+
+@pytest.fixture(scope="module")
+def server(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("rerank") / "server.log"
+    srv = start_server(["--model-path", str(model), "--served-model-name", "reranker"], log)
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def _post(server: ServerProcess, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+
+
+def test_rerank_equals_cross_encoder_predict(server: ServerProcess, model: Path) -> None:
+    ref = st.CrossEncoder(str(model), device="cpu").predict([(QUERY, d) for d in DOCS])
+    r = _post(server, "/v1/rerank", {"model": "reranker", "query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    results = body["results"]
+    assert sorted(x["index"] for x in results) == list(range(len(DOCS)))
+    assert [x["relevance_score"] for x in results] == sorted((x["relevance_score"] for x in results), reverse=True)
+    for x in results:
+        assert x["relevance_score"] == pytest.approx(float(ref[x["index"]]), abs=1e-5)
+        assert x["document"] == {"text": DOCS[x["index"]]}
+    assert body["usage"]["total_tokens"] > 0 and body["model"] == "reranker" and body["id"].startswith("rerank-")
+
+
+def test_top_n_objects_and_aliases(server: ServerProcess) -> None:
+    full = _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS}).json()["results"]
+    for path in ("/rerank", "/v2/rerank"):
+        top = _post(server, path, {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 2,
+                                   "return_documents": False}).json()["results"]
+        assert [x["index"] for x in top] == [x["index"] for x in full[:2]]
+        assert all(x.get("document") is None for x in top)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"query": QUERY, "documents": []}, "documents"),
+    ({"query": QUERY, "documents": DOCS, "top_n": 0}, "top_n"),
+    ({"query": QUERY, "documents": ["word " * 200]}, "documents.0"),
+    ({"query": QUERY, "documents": DOCS, "truncate_prompt_tokens": 500}, "truncate_prompt_tokens"),
+    ({"query": QUERY}, "documents"),
+    ({"query": QUERY, "documents": DOCS, "rank_fields": ["x"]}, "rank_fields"),
+])
+def test_bad_input_is_a_400_and_the_server_serves_on(server: ServerProcess, body: dict, param: str) -> None:
+    r = _post(server, "/v1/rerank", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert param in (err.get("param") or "") + err["message"], err
+    assert _post(server, "/v1/rerank", {"query": QUERY, "documents": DOCS[:1]}).status_code == 200
+    assert httpx.get(f"{server.base_url}/server_info", timeout=30).json()["num_waiting"] == 0
+
+
+def test_long_documents_are_cut_with_truncate_prompt_tokens(server: ServerProcess) -> None:
+    r = _post(server, "/v1/rerank", {"query": QUERY, "documents": ["word " * 200], "truncate_prompt_tokens": 128})
+    assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 128
+
+
+def test_a_reranker_refuses_embeddings_and_chat(server: ServerProcess) -> None:
+    for path, body in (("/v1/embeddings", {"input": "x"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and "is a cross-encoder (a reranker)" in r.json()["error"]["message"]
+
+
+def test_embedding_and_generative_servers_refuse_rerank(parity_server: ServerProcess) -> None:
+    r = _post(parity_server, "/v1/rerank", {"query": QUERY, "documents": DOCS})
+    assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["error"]["message"]
