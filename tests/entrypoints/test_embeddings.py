@@ -147,3 +147,21 @@ def test_a_generative_server_refuses_embeddings(parity_server: ServerProcess) ->
     assert r.status_code == 400 and "is a generative model" in r.json()["error"]["message"]
     assert "--is-embedding" in r.json()["error"]["message"]
 
+
+
+def test_langchain_and_litellm_clients(server: ServerProcess, reference: st.SentenceTransformer,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two clients RAG code uses most, as their docs configure them for an OpenAI-compatible server."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
+    litellm = pytest.importorskip("litellm")
+    texts = ["retrieval augmented generation", "a second document"]
+    ref = reference.encode(texts)
+    lc = langchain_openai.OpenAIEmbeddings(model="minilm", base_url=f"{server.base_url}/v1", api_key="unused",
+                                           check_embedding_ctx_length=False, max_retries=0, timeout=60)
+    assert _cos(np.array(lc.embed_documents(texts)), ref).min() >= 0.99999
+    assert _cos(np.array(lc.embed_query(texts[0])), ref[0]) >= 0.99999
+    r = litellm.embedding(model="openai/minilm", input=texts, api_base=f"{server.base_url}/v1", api_key="unused",
+                          timeout=60)
+    assert _cos(np.array([d["embedding"] for d in r.data]), ref).min() >= 0.99999
+    assert r.usage.prompt_tokens == sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
