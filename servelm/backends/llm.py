@@ -28,7 +28,8 @@ def build_parser() -> StrictArgumentParser:
     """The `servelm serve` parser of the llm backend: one flag per ServerArgs field."""
     parser = StrictArgumentParser(
         prog=PROG,
-        description="llm backend: serve a language model over an OpenAI-compatible HTTP API.",
+        description="llm backend: serve a language model over an OpenAI-compatible HTTP API (an embedding model: "
+                    "/v1/embeddings; a cross-encoder: /v1/rerank).",
     )
     ServerArgs.add_cli_args(parser)
     return parser
@@ -73,5 +74,6 @@ def create_backend() -> ServeBackend:
         run=run,
         detect=None,
         requires_model_path=False,
-        summary="language models (HF folder or GGUF) over the OpenAI API, with a chat page",
+        summary="language models (HF folder or GGUF) over the OpenAI API, with a chat page; embedding models "
+                "(/v1/embeddings) and cross-encoders (/v1/rerank)",
     )

@@ -106,7 +106,8 @@ def _openai_routes(app: FastAPI, state: ServerState, chat: ServingChat, completi
 
     def model_card() -> ModelCard:
         # root names the model, never the server's file path; max_model_len is --context-length when given.
-        return ModelCard(id=state.model_name, root=state.model_name, max_model_len=native.max_model_len or None)
+        return ModelCard(id=state.model_name, root=state.model_name, max_model_len=native.max_model_len or None,
+                         task=state.manager.model_info.get("task") or "generate")
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -453,6 +453,8 @@ class ModelCard(_Response):
     owned_by: str = "servelm"
     root: str | None = None
     max_model_len: int | None = None
+    # what it does: generate, embed (/v1/embeddings) or score (a cross-encoder's /v1/rerank)
+    task: str | None = None
 
 
 class ModelList(_Response):

@@ -138,7 +138,7 @@ def test_generation_routes_refuse_an_embedding_model(server: ServerProcess, clie
     assert r.status_code == 400 and "reranking, which needs a cross-encoder" in r.json()["error"]["message"]
     assert httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": "hi"}, timeout=30).json()["count"] == 3
     models = client.models.list().data
-    assert models[0].id == "minilm"
+    assert models[0].id == "minilm" and models[0].task == "embed"  # type: ignore[attr-defined]
     assert "servelm ready" in server.log() and "embedding model" in server.log()
 
 
