@@ -105,6 +105,8 @@ class ServingEmbedding(OpenAIServing):
             raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
                       "truncate_prompt_tokens")
         tokenizer = self.manager.tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        backend = backend if backend is not None and backend.truncation is None else None
         out = []
         for i, item in enumerate(items):
             where = "input" if len(items) == 1 else f"input.{i}"
@@ -112,6 +114,8 @@ class ServingEmbedding(OpenAIServing):
                 if keep is not None:
                     ids = tokenizer(item, add_special_tokens=req.add_special_tokens, truncation=True,
                                     max_length=keep)["input_ids"]
+                elif backend is not None:  # the Rust tokenizer itself: half the time of the HF call
+                    ids = backend.encode(item, add_special_tokens=req.add_special_tokens).ids
                 else:
                     ids = tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
             else:

@@ -73,10 +73,13 @@ class EmbeddingRunner:
         # (docs/embeddings.md); fp32 is what sentence-transformers computes.
         self.dtype = torch.bfloat16 if server_args.dtype == "bfloat16" else torch.float32
         self.model.to(self.dtype).eval()
+        encoder = self.model.encoder if self.task == "score" else self.model
+        self.prepacked = not server_args.disable_fast_path and encoder.prepack()
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or model_path, None)
         self.architecture = architecture
         self.hidden_size = config.hidden_size
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weight_bytes = encoder.weight_bytes() + sum(
+            p.numel() * p.element_size() for n, p in self.model.named_parameters() if not n.startswith("encoder."))
         logger.info("embedding model %s (%s, %s) loaded in %.1f s: %d dimensions, %s pooling%s (%s), at most %d tokens "
                     "an input", model_path, architecture, self.dtype, time.perf_counter() - t0, self.hidden_size,
                     pooling.mode, ", normalised" if pooling.normalize else "", pooling.source, self.max_context_len)

@@ -1,10 +1,10 @@
 """BERT-family encoders (BertModel: MiniLM, bge, e5, gte) for embeddings: bidirectional attention, absolute
 positions, token types, post-norm layers; no KV cache (a request is one forward over its whole input).
 
-A batch is packed: the token-wise work (embeddings, the projections, the MLP, the norms) runs on the batch's
-real tokens only, [T, H]; only attention pads, to the batch's longest input, with a key mask. This is where
-it beats a padded `BertModel` forward (sentence-transformers' `encode`), which pays the MLP and projections for
-every pad position of every input.
+A batch is packed: everything runs on the batch's real tokens only, [T, H], attention input by input on views
+of the packed rows. A padded `BertModel` forward (sentence-transformers' `encode`) pays the MLP and the
+projections for every pad position of every input; the projections here multiply by weights pre-packed for
+oneDNN once (`prepack`), where torch's default CPU GEMM packs them again on every call.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ from torch import nn
 
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# The same activations as oneDNN post-ops of the up projection: (attr, algorithm) of _linear_pointwise.
+ONEDNN_POST_OPS = {"gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"), "gelu_pytorch_tanh": ("gelu", "tanh"),
+                   "relu": ("relu", "")}
+LINEARS = ("qkv", "out", "up", "down")
 
 
 @dataclass
@@ -54,19 +58,43 @@ class BertLayer(nn.Module):
         self.down = nn.Linear(intermediate, hidden, dtype=dtype)
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
         self.act = ACTIVATIONS[act]
+        self.act_name = act
+        self.packed: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # see prepack
 
-    def forward(self, x: torch.Tensor, pad: torch.Tensor, real: torch.Tensor, mask: torch.Tensor,
-                shape: tuple[int, int]) -> torch.Tensor:
-        """x [T, H] packed; `pad` [B*L] indexes rows of x plus a zero row (index T) into the padded layout,
-        `real` [T] the padded rows that are tokens; mask [B, 1, 1, L] marks real keys."""
-        batch, longest = shape
-        qkv = self.qkv(x)
-        qkv = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])])[pad]
-        q, k, v = qkv.view(batch, longest, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, heads, L, D]
-        attn = attn.transpose(1, 2).reshape(batch * longest, -1)[real]
-        x = self.attn_norm(x + self.out(attn))
-        return self.mlp_norm(x + self.down(self.act(self.up(x))))
+    def prepack(self) -> None:
+        """Each projection's weight in oneDNN's blocked layout (the plain copy freed), the activation fused
+        into the up projection. NOTE: torch's default CPU GEMM packs the weight again on every call: pre-packed,
+        a MiniLM projection runs 3.6x faster at 1,280 rows in fp32 and 3.6x at 10 (measured on a 2-core EPYC,
+        docs/embeddings.md); the layout is what inductor's freezing pass emits."""
+        self.packed = {}
+        for name in LINEARS:
+            lin = getattr(self, name)
+            self.packed[name] = (torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous()),
+                                 lin.bias.detach().clone())
+            lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
+
+    def _linear(self, name: str, x: torch.Tensor, post: tuple[str, str] | None = None) -> torch.Tensor:
+        if self.packed is None:
+            y = getattr(self, name)(x)
+            return self.act(y) if post is not None else y
+        weight, bias = self.packed[name]
+        attr, algorithm = post or ("none", "")
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x [T, H]: the batch's inputs one after another, `lengths` tokens each."""
+        qkv = self._linear("qkv", x)
+        # Attention input by input, on views of the packed rows: no padding, no gather (a padded batch cost 40%
+        # more here, a third of it the copies in and out of the padded layout).
+        outs, start = [], 0
+        for n in lengths:
+            q, k, v = qkv[start:start + n].view(n, 3, self.heads, self.head_dim).permute(1, 2, 0, 3).unbind(0)
+            outs.append(F.scaled_dot_product_attention(q, k, v).permute(1, 0, 2).reshape(n, -1))
+            start += n
+        attn = torch.cat(outs) if len(outs) > 1 else outs[0]
+        x = self.attn_norm(x + self._linear("out", attn))
+        up = self._linear("up", x, ONEDNN_POST_OPS[self.act_name])
+        return self.mlp_norm(x + self._linear("down", up))
 
 
 class BertEncoder(nn.Module):
@@ -90,20 +118,25 @@ class BertEncoder(nn.Module):
         self.hidden_size = h
         self.max_positions = config.max_position_embeddings
 
+    def prepack(self) -> bool:
+        """Pre-pack the projections for oneDNN (after loading); False where oneDNN cannot (not a CPU)."""
+        if not torch.backends.mkldnn.is_available() or self.word.weight.device.type != "cpu":
+            return False
+        for layer in self.layers:
+            layer.prepack()
+        return True
+
+    def weight_bytes(self) -> int:
+        plain = sum(p.numel() * p.element_size() for p in self.parameters())
+        return plain + sum(w.numel() * w.element_size() + b.numel() * b.element_size()
+                           for layer in self.layers for w, b in (layer.packed or {}).values())
+
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """The last hidden states [T, H] of a packed batch."""
         x = self.word(batch.input_ids) + self.position(batch.positions) + self.token_type(batch.token_types)
         x = self.norm(x)
-        lengths = torch.tensor(batch.lengths, dtype=torch.long)
-        count, longest, total = len(batch.lengths), max(batch.lengths), x.shape[0]
-        slot = torch.arange(longest).expand(count, longest)
-        valid = slot < lengths[:, None]  # [B, L]
-        pad = torch.full((count, longest), total, dtype=torch.long)
-        pad[valid] = torch.arange(total)
-        real = valid.reshape(-1).nonzero().squeeze(1)
-        mask = valid[:, None, None, :]
         for layer in self.layers:
-            x = layer(x, pad.reshape(-1), real, mask, (count, longest))
+            x = layer(x, batch.lengths)
         return x
 
     # ------------------------------------------------------------------------------------------ weights
