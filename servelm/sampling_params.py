@@ -263,3 +263,5 @@ class SampleOutput:
     # Scored prompt tokens (rows with a target): the token's rank in the whole distribution (1 = the most
     # likely; vLLM's prompt_logprobs rank, also outside the top k); None for the other rows.
     ranks: list[int | None] = field(default_factory=list)
+    # A decoder embedder's pooled rows (StepInput.hidden_indices): each one's embedding, float32 in base64.
+    hidden: list[str] = field(default_factory=list)

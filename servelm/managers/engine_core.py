@@ -26,8 +26,11 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
         server_args.replace(model_path=model_path_or_default(server_args.model_path, announce=True)))
     from servelm.model_loader.pooling import embedding_mode
 
-    if embedding_mode(server_args, server_args.model_path):
+    embedding = embedding_mode(server_args, server_args.model_path)
+    if embedding and _is_encoder(server_args.model_path):
         return build_embedding_scheduler(server_args)
+    if embedding:  # a decoder (Qwen3-Embedding): the KV-paged scheduler, every request pooled at its last token
+        server_args = server_args.replace(is_embedding=True)
     # Checked before any rank process starts, so a bad --tp-size is one clear error.
     source = load_model_source(server_args.model_path)
     check_tp_divisibility(source.config, server_args.tp_size)
@@ -48,7 +51,7 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                           disable_radix_cache=server_args.disable_radix_cache,
                           random_seed=server_args.random_seed,
                           deterministic=server_args.enable_deterministic_inference,
-                          speculative=server_args.spec_config())
+                          speculative=None if embedding else server_args.spec_config(), embedding=embedding)
     disk = None
     if server_args.prefix_cache_dir and not server_args.disable_radix_cache:
         from servelm.mem_cache.disk_cache import DiskPrefixCache
@@ -57,6 +60,19 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                                int(server_args.prefix_cache_size_gb * 1e9))
     return Scheduler(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info(),
                      on_shutdown=lambda: _shutdown(runner, workers), disk_cache=disk)
+
+
+def _is_encoder(model_path: str) -> bool:
+    import os
+
+    from servelm.model_loader.model_path import ENCODER_ARCHITECTURES, read_hf_config
+
+    if not os.path.isdir(model_path):
+        return False
+    try:
+        return read_hf_config(model_path)[1] in ENCODER_ARCHITECTURES
+    except Exception:  # not a model servelm knows: the runner says so
+        return True
 
 
 def build_embedding_scheduler(server_args: ServerArgs) -> Any:

@@ -30,3 +30,5 @@ class StepInput:
     kv_indices: list[list[int]]
     logits_indices: list[int]
     sample_rows: list[SamplingRow] = field(default_factory=list)
+    # A decoder embedder: rows (of input_ids) whose last hidden state is an embedding (last-token pooling).
+    hidden_indices: list[int] = field(default_factory=list)

@@ -26,7 +26,7 @@ from servelm.managers.io_struct import FinishReason, GenerateReq, TokenOut
 from servelm.managers.schedule_batch import SampleOutput, SamplingRow, StepInput
 from servelm.mem_cache.allocator import PageAllocator, slots_for
 from servelm.mem_cache.radix_cache import NoPrefixCache, RadixCache, TreeNode, check_integrity
-from servelm.sampling_params import SamplingParams, context_length_error, token_ids_error
+from servelm.sampling_params import SamplingParams, context_length_error, input_length_error, token_ids_error
 from servelm.speculative import Proposer, SpecConfig, SpecState
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class Req:
     first_token_at: float | None = None
     spec: SpecState | None = None  # speculative decoding: its adaptive draft length (servelm.speculative)
     draft: list[int] = field(default_factory=list)  # this step's draft tokens (verified in the step)
+    embedding: str | None = None  # an embedding server's result (SampleOutput.hidden)
 
     @property
     def prompt_positions_to_score(self) -> range:
@@ -108,6 +109,9 @@ class SchedulerConfig:
     random_seed: int = 0
     deterministic: bool = False
     speculative: SpecConfig | None = None
+    # A decoder served as an embedding model: every request is its prompt's last hidden state (last-token
+    # pooling), nothing is generated.
+    embedding: bool = False
 
 
 class Scheduler:
@@ -145,9 +149,13 @@ class Scheduler:
         params = SamplingParams.from_dict(dict(req.sampling_params))
         params.validate(self.vocab_size)
         # The API checks the same first (as 400s); this is the safety net for the Engine and other callers.
-        error = token_ids_error(req.input_ids, self.vocab_size) or context_length_error(
-            len(req.input_ids), params.max_new_tokens, self.max_context_len, limit="max_new_tokens",
-            model_context=self.config.model_context_len)
+        if self.config.embedding and (params.max_new_tokens or req.label_token_ids):
+            raise ValueError("this is an embedding model: it embeds inputs (POST /v1/embeddings) and does not "
+                             "generate or score")
+        error = token_ids_error(req.input_ids, self.vocab_size) or (
+            input_length_error(len(req.input_ids), self.max_context_len) if self.config.embedding else
+            context_length_error(len(req.input_ids), params.max_new_tokens, self.max_context_len,
+                                 limit="max_new_tokens", model_context=self.config.model_context_len))
         if error:
             raise ValueError(error)
         if params.seed is not None:
@@ -354,6 +362,8 @@ class Scheduler:
         rows: list[SamplingRow] = []
         sampled: list[Req] = []  # one per row: the request whose row it is
         prefilled_only: list[Req] = []  # max_new_tokens 0: done once the prompt is in
+        hidden_rows: list[int] = []  # an embedding server: each finished prompt's last row
+        pooled: list[Req] = []
         extend_lens: list[int] = []
         verify: dict[int, list[int]] = {}  # id(req) -> its rows in `rows`, a speculating request's k + 1
         for req, n in plan:
@@ -395,6 +405,9 @@ class Scheduler:
                     rows.append(SamplingRow(req.params, req.seed, req.sample_index, len(ids), req.prompt_ids,
                                             req.output_ids, target=label))
                     sampled.append(req)
+            if end == len(ids) and self.config.embedding:
+                hidden_rows.append(len(input_ids) - 1)
+                pooled.append(req)
             if end == len(ids) and req.params.max_new_tokens == 0:
                 prefilled_only.append(req)  # its prompt is in (and scored): nothing to sample
             elif end == len(ids):
@@ -406,7 +419,11 @@ class Scheduler:
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
         started, generated = time.perf_counter(), self.stats["generation_tokens"]
         result = self.runner.execute(StepInput(input_ids, positions, out_loc, extend_lens, kv_indices,
-                                               logits_rows, rows))
+                                               logits_rows, rows, hidden_rows))
+        if pooled:
+            assert result is not None
+            for req, vector in zip(pooled, result.hidden, strict=True):
+                req.embedding = vector
         for req, n in plan:
             if id(req) in verify:
                 continue  # its KV counts only up to the accepted tokens (_accept)
@@ -443,7 +460,8 @@ class Scheduler:
                     outputs.append(self._make_out(req))
         for req in prefilled_only:
             self.running.remove(req)
-            outputs.append(self._finish(req, FinishReason.length()))
+            outputs.append(self._finish(req, FinishReason.stop() if req.embedding is not None
+                                        else FinishReason.length()))
         if self.spec is not None and all(n == 1 or id(req) in verify for req, n in plan):
             # a decode-only step: what speculation's guard compares (tokens out per second, with and without)
             self.spec.observe_step(len(plan), bool(verify), self.stats["generation_tokens"] - generated,
@@ -561,6 +579,7 @@ class Scheduler:
                        logprobs=req.pending_logprobs, top_logprobs=req.pending_top)
         if finished:
             out.label_logprobs = req.label_logprobs if req.label_ids else None
+            out.embedding = req.embedding
             out.timings = self._timings(req)
         if req.params.prompt_logprobs and not req.prompt_logprobs_sent:
             out.prompt_logprobs, out.prompt_top_logprobs = [None, *req.prompt_logprobs], [None, *req.prompt_top]

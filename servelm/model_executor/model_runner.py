@@ -114,6 +114,18 @@ class ModelRunner:
         freeze_kernels(self.model, self.kernels)
         self.weight_bytes = self.model.weight_bytes()
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, server_args.chat_template)
+        # Served as an embedding model (--is-embedding): its pooling (last token only, for a decoder).
+        self.pooling = None
+        if server_args.is_embedding or server_args.runner == "pooling":
+            from servelm.model_loader.pooling import PoolingConfig, read_pooling
+
+            folder = self.model_path if os.path.isdir(self.model_path) else os.path.dirname(self.model_path)
+            self.pooling = read_pooling(folder, default_mode="last")
+            if server_args.pooling is not None:
+                self.pooling = PoolingConfig(server_args.pooling, self.pooling.normalize, None, "--pooling")
+            if self.pooling.mode != "last":
+                raise ConfigError(f"a decoder model embeds by its last token; pooling {self.pooling.mode!r} is not "
+                                  "supported for it (pass --pooling last)")
         self.eos_token_ids = eos_token_ids_of(config, self.tokenizer)
         self.vocab_size = config.vocab_size
 
@@ -263,6 +275,8 @@ class ModelRunner:
         """Run `step` on this rank (every rank runs every step, in the same order)."""
         fb = ForwardBatch.from_step(step, self.device)
         rows = step.sample_rows
+        if step.hidden_indices:
+            return self._execute_pooling(fb, step)
         if self.tp_size > 1 and self.server_args.enable_tp_lm_head_all_to_all and rows:
             from servelm.distributed.lm_head_all_to_all import can_use_all_to_all
 
@@ -272,6 +286,26 @@ class ModelRunner:
         if not rows or self.tp_rank != 0:
             return None  # every rank holds the full logits; only rank 0 needs the samples
         return sample(logits, rows)
+
+    @torch.inference_mode()
+    def _execute_pooling(self, fb: ForwardBatch, step: StepInput) -> SampleOutput | None:
+        """A decoder embedder's step: the last hidden states of `step.hidden_indices` (after the final norm),
+        normalised as the model's pooling says, as float32 in base64; rows to sample, if any, as usual."""
+        import base64
+
+        fb.kv_cache = self.kv_cache
+        hidden = self.model.model(fb)
+        out = SampleOutput([], [], [])
+        if step.sample_rows:
+            logits = self.model.logits_processor(hidden[fb.logits_indices], self.model.lm_head)
+            out = sample(logits, step.sample_rows)
+        if self.tp_rank != 0:
+            return None
+        vectors = hidden[torch.tensor(step.hidden_indices, device=hidden.device)].float()
+        if self.pooling is not None and self.pooling.normalize:
+            vectors = torch.nn.functional.normalize(vectors, dim=-1)
+        out.hidden = [base64.b64encode(row.tobytes()).decode() for row in vectors.cpu().numpy().astype("<f4")]
+        return out
 
     def _sample_all_to_all(self, fb: ForwardBatch, rows: list[Any]) -> SampleOutput:
         """Each rank samples its block of rows from [rows/tp, V] logits; only the results are gathered."""
@@ -311,4 +345,6 @@ class ModelRunner:
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
                 "fast_path": self.fast_path, "tp_size": self.tp_size, "load_seconds": round(self.load_seconds, 2),
                 "quantization": self.quant_policy.mode, "weight_formats": self.weight_formats(),
-                "weight_bytes": self.weight_bytes, **self.kv_cache.describe()}
+                "weight_bytes": self.weight_bytes, **self.kv_cache.describe(),
+                **({"task": "embed", "embedding_dimensions": self.config.hidden_size, "pooling": self.pooling.mode,
+                    "normalize": self.pooling.normalize} if self.pooling is not None else {})}

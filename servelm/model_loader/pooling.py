@@ -36,13 +36,13 @@ def _read_json(path: str) -> Any:
 def read_pooling(folder: str, default_mode: str = "cls") -> PoolingConfig:
     """The pooling a sentence-transformers folder declares: modules.json names its Pooling module (whose
     config.json picks CLS, mean or last-token) and whether a Normalize module follows. Without modules.json:
-    `default_mode`, not normalised (a plain BertModel, as vLLM pools one)."""
+    `default_mode`, normalised (as vLLM's embedding pooler does by default)."""
     modules = _read_json(os.path.join(folder, "modules.json"))
     st_config = _read_json(os.path.join(folder, "sentence_bert_config.json")) or {}
     max_len = st_config.get("max_seq_length") if isinstance(st_config, dict) else None
     max_len = int(max_len) if isinstance(max_len, int) and max_len > 0 else None
     if not isinstance(modules, list):
-        return PoolingConfig(default_mode, False, max_len)
+        return PoolingConfig(default_mode, True, max_len)
     types = [str(m.get("type", "")) for m in modules if isinstance(m, dict)]
     normalize = any(t.endswith(".Normalize") for t in types)
     mode = default_mode

@@ -98,7 +98,7 @@ def test_read_pooling_and_detection(tmp_path: Path) -> None:
         read_pooling(str(folder))
     plain = tmp_path / "plain"
     plain.mkdir()
-    assert read_pooling(str(plain)) == PoolingConfig("cls", False, None)  # a bare BertModel: CLS, as vLLM
+    assert read_pooling(str(plain)) == PoolingConfig("cls", True, None)  # a bare BertModel: CLS, as vLLM
     # an encoder is detected; a decoder only when asked; --runner generate refuses an encoder
     assert embedding_mode(ServerArgs(model_path=str(folder)), str(folder))
     assert not embedding_mode(ServerArgs(model_path=str(folder), runner="generate"), str(folder))
