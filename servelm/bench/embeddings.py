@@ -108,6 +108,9 @@ def main(argv: list[str]) -> int:
                    help="What the requests ask for (the openai SDK asks for base64 unless told otherwise).")
     p.add_argument("--st-batch-size", type=int, default=32, help="sentence-transformers' encode batch size.")
     p.add_argument("--no-baseline", action="store_true", help="Skip sentence-transformers.")
+    p.add_argument("--offline", action="store_true",
+                   help="servelm in this process (Engine.embed, all inputs at once) instead of over HTTP.")
+    p.add_argument("--dtype", default="auto", help="With --offline: the engine's --dtype.")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -138,18 +141,31 @@ def main(argv: list[str]) -> int:
         encoder.encode(inputs[:args.st_batch_size], batch_size=args.st_batch_size, show_progress_bar=False)  # warm
     proc = None
     url = args.base_url
-    if url is None:
+    engine = None
+    if args.offline:
+        from servelm.entrypoints.engine import Engine
+
+        engine = Engine(model_path=args.model_path, dtype=args.dtype)
+        engine.embed(inputs[:32])  # warm
+    elif url is None:
         proc, url = _start_server(args.model_path, args.server_args.split())
-    contenders = {"servelm": url, **{f"compare {i + 1}": u for i, u in enumerate(args.compare_url)}}
+    contenders: dict[str, Any] = {"servelm": engine if engine is not None else url,
+                                  **{f"compare {i + 1}": u for i, u in enumerate(args.compare_url)}}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     if encoder is not None:
         times["sentence-transformers"] = []
     try:
         print(f"{args.num_inputs} inputs of {args.min_len}-{args.max_len} tokens ({tokens} tokens), "
-              f"{args.inputs_per_request} per request, concurrency {args.concurrency}; "
+              + ("servelm offline (Engine.embed); " if engine is not None else
+                 f"{args.inputs_per_request} per request, concurrency {args.concurrency}; ") +
               f"sentence-transformers encode(batch_size={args.st_batch_size})")
         for r in range(args.rounds):
             for name, target in contenders.items():
+                if not isinstance(target, str):  # the offline engine
+                    start = time.perf_counter()
+                    target.embed(inputs)
+                    times[name].append(time.perf_counter() - start)
+                    continue
                 times[name].append(asyncio.run(_run_server(target, inputs, args.inputs_per_request,
                                                            args.concurrency, args.encoding_format)))
             if encoder is not None:
@@ -162,6 +178,8 @@ def main(argv: list[str]) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+        if engine is not None:
+            engine.shutdown()
     print(f"\n{'contender':<24}{'inputs/s':>10}{'tokens/s':>10}{'x ST':>8}   (medians of {args.rounds} rounds)")
     base = statistics.median(times["sentence-transformers"]) if encoder is not None else None
     for name, ts in times.items():

@@ -109,6 +109,45 @@ class Engine:
             return dicts[0] if len(dicts) == 1 else dicts
         return dicts
 
+    def embed(self, prompt: str | list[str] | None = None,
+              input_ids: list[int] | list[list[int]] | None = None) -> list[float] | list[list[float]]:
+        """An embedding model's vectors (vLLM's `LLM.embed`): one text (-> one vector) or a list (-> a list),
+        tokenized with the model's special tokens; or token ids. All inputs share the scheduler's forwards."""
+        import base64
+
+        import numpy as np
+
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if self.scheduler.model_info().get("task") != "embed":
+            raise ValueError("this engine runs a generative model: Engine(model_path=..., is_embedding=True) "
+                             "embeds")
+        single = isinstance(prompt, str) or (input_ids is not None and bool(input_ids)
+                                             and isinstance(input_ids[0], int))
+        if prompt is not None:
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            token_lists = [list(self.tokenizer.encode(t, add_special_tokens=True)) for t in texts]
+        else:
+            token_lists = [input_ids] if single else list(input_ids)  # type: ignore[list-item]
+        rids = [f"embed{next(self._ids)}" for _ in token_lists]
+        vectors: dict[str, list[float]] = {}
+        try:
+            for rid, ids in zip(rids, token_lists):
+                self.scheduler.add_request(GenerateReq(rid, list(ids), {"max_new_tokens": 0}))
+            while len(vectors) < len(rids):
+                for out in self.step():
+                    if out.finish_reason is None:
+                        continue
+                    if out.embedding is None:
+                        raise RuntimeError(f"input {rids.index(out.rid)} was not embedded: "
+                                           f"{out.finish_reason.message}")
+                    vectors[out.rid] = np.frombuffer(base64.b64decode(out.embedding), dtype="<f4").tolist()
+        finally:
+            for rid in set(rids) - set(vectors):
+                self.scheduler.abort_request(rid)
+        result = [vectors[rid] for rid in rids]
+        return result[0] if single else result
+
     def _stream(self, req: GenerateReq) -> Iterator[dict[str, Any]]:
         req.stream = True
         self.scheduler.add_request(req)

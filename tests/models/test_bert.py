@@ -178,3 +178,25 @@ def test_cross_encoder_logits_equal_transformers(tmp_path: Path, num_labels: int
         ref = ref_model(**batch).logits.numpy()
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
     assert len({tuple(e["token_type_ids"]) for e in enc}) > 1 and 1 in enc[0]["token_type_ids"]
+
+
+def test_offline_engine_embeds(tmp_path: Path) -> None:
+    """vLLM's LLM.embed, offline: the vectors sentence-transformers gives, the inputs sharing forwards."""
+    from sentence_transformers import SentenceTransformer
+
+    from servelm.entrypoints.engine import Engine
+
+    folder = st_folder(tmp_path / "m", "mean", True)
+    ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True)
+    engine = Engine(model_path=str(folder))
+    try:
+        got = torch.tensor(engine.embed(TEXTS[:-1]))
+        one = torch.tensor(engine.embed(TEXTS[0]))
+        by_ids = torch.tensor(engine.embed(input_ids=engine.tokenizer.encode(TEXTS[2])))
+        with pytest.raises(ValueError, match=r"The input \(\d+ tokens\) is longer than the model's context length"):
+            engine.embed(TEXTS[-1])  # longer than the 64 tokens it reads
+    finally:
+        engine.shutdown()
+    torch.testing.assert_close(got, ref[:-1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(one, ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(by_ids, ref[2], rtol=1e-4, atol=1e-5)
