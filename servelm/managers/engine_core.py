@@ -67,8 +67,10 @@ def _is_encoder(model_path: str) -> bool:
 
     from servelm.model_loader.model_path import ENCODER_ARCHITECTURES, read_hf_config
 
-    if not os.path.isdir(model_path):
-        return False
+    if os.path.isfile(model_path):
+        from servelm.model_loader.gguf_bert import architecture
+
+        return architecture(model_path) == "bert"
     try:
         return read_hf_config(model_path)[1] in ENCODER_ARCHITECTURES
     except Exception:  # not a model servelm knows: the runner says so

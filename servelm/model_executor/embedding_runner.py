@@ -31,24 +31,30 @@ class EmbeddingRunner:
         from servelm.models.bert import BertClassifier, BertEncoder
 
         t0 = time.perf_counter()
-        if os.path.isfile(model_path):
-            raise ConfigError(f"{model_path}: an embedding model is served from a Hugging Face folder "
-                              "(config.json + safetensors); GGUF encoders are not supported yet")
         if server_args.tp_size > 1:
             raise ConfigError("an embedding model runs on one rank: --tp-size must be 1")
         if server_args.dtype == "float16":
             raise ConfigError("--dtype float16: embedding models run in float32 (auto) or bfloat16")
         if server_args.quantization not in ("auto", "none"):
             raise ConfigError(f"--quantization {server_args.quantization}: not supported for embedding models yet")
-        raw, architecture = read_hf_config(model_path)
-        if architecture not in ENCODER_ARCHITECTURES:
-            raise ConfigError(f"{model_path}: {architecture} as an embedding model is not supported yet "
-                              f"(encoders: {', '.join(ENCODER_ARCHITECTURES)})")
-        import transformers
+        gguf = os.path.isfile(model_path)
+        if gguf:  # a llama.cpp BERT GGUF
+            from servelm.model_loader import gguf_bert
 
-        self.config = config = transformers.AutoConfig.from_pretrained(model_path, local_files_only=True)
+            raw, architecture = {}, "BertModel"
+            self.config = config = gguf_bert.config(model_path)
+            # llama.cpp's pooling type; normalised, as llama-server's embeddings are by default
+            pooling = PoolingConfig(gguf_bert.pooling_mode(model_path), True, None, "the GGUF metadata")
+        else:
+            raw, architecture = read_hf_config(model_path)
+            if architecture not in ENCODER_ARCHITECTURES:
+                raise ConfigError(f"{model_path}: {architecture} as an embedding model is not supported yet "
+                                  f"(encoders: {', '.join(ENCODER_ARCHITECTURES)})")
+            import transformers
+
+            self.config = config = transformers.AutoConfig.from_pretrained(model_path, local_files_only=True)
+            pooling = read_pooling(model_path)
         self.model_path = model_path
-        pooling = read_pooling(model_path)
         if server_args.pooling is not None:
             pooling = PoolingConfig(server_args.pooling, pooling.normalize, pooling.max_seq_length, "--pooling")
         self.pooling = pooling
@@ -60,10 +66,11 @@ class EmbeddingRunner:
         self.activation = st_config.get("activation_fn")  # a cross-encoder's, when its config names one
         self.model = BertClassifier(config) if self.task == "score" else BertEncoder(config)
         with torch.no_grad():
-            files = _weight_files(model_path)
-
             def tensors() -> Any:
-                for path, names in files.items():
+                if gguf:
+                    yield from gguf_bert.tensors(model_path)
+                    return
+                for path, names in _weight_files(model_path).items():
                     with safe_open(path, framework="pt", device="cpu") as f:
                         for name in names:
                             yield name, f.get_tensor(name).to(torch.float32)

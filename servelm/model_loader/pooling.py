@@ -76,7 +76,13 @@ def embedding_mode(server_args: Any, model_path: str) -> bool:
     refused (--runner generate), or detected (an encoder architecture or a sentence-transformers folder)."""
     if server_args.is_embedding or server_args.runner == "pooling":
         return True
-    if server_args.runner == "generate" or not os.path.isdir(model_path):
+    if server_args.runner == "generate":
+        return False
+    if os.path.isfile(model_path):  # a GGUF file: llama.cpp's BERT encoders embed
+        from servelm.model_loader.gguf_bert import architecture
+
+        return architecture(model_path) == "bert"
+    if not os.path.isdir(model_path):
         return False
     try:
         _, architecture = read_hf_config(model_path)

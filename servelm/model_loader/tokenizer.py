@@ -80,9 +80,14 @@ def _load_gguf_tokenizer(gguf_path: str) -> transformers.PreTrainedTokenizerFast
         logger.debug("Loading tokenizer of %s from cache %s", gguf_path, cached)
         return transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
     logger.info("Converting the GGUF tokenizer of %s (cached in %s afterwards)", gguf_path, cached)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), local_files_only=True
-    )
+    from servelm.model_loader import gguf_bert
+
+    if gguf_bert.architecture(gguf_path) == "bert":  # transformers does not read BERT GGUF files
+        tokenizer = gguf_bert.tokenizer(gguf_path)
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), local_files_only=True
+        )
     _save_to_cache(tokenizer, cached)
     return tokenizer
 

@@ -200,3 +200,78 @@ def test_offline_engine_embeds(tmp_path: Path) -> None:
     torch.testing.assert_close(got, ref[:-1], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(one, ref[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(by_ids, ref[2], rtol=1e-4, atol=1e-5)
+
+
+def write_bert_gguf(folder: Path, out: Path, f16: bool = True) -> Path:
+    """A BERT GGUF as llama.cpp's convert_hf_to_gguf.py writes one (its tensor names, metadata and
+    SentencePiece-spelled WordPiece vocabulary), from a sentence-transformers folder's weights."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    w = gguf.GGUFWriter(str(out), "bert")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_layer_norm_eps(config["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    special = set(tok.all_special_tokens)
+    tokens = [t if t in special else (t[2:] if t.startswith("##") else "▁" + t) for t, _ in vocab]
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_type_count(2)
+    w.add_bos_token_id(tok.cls_token_id)
+    w.add_sep_token_id(tok.sep_token_id)
+    w.add_unk_token_id(tok.unk_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_mask_token_id(tok.mask_token_id)
+    w.add_bool("tokenizer.ggml.normalizer.lowercase", True)
+    layer = {"attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+             "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+             "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm"}
+    top = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
+           "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
+    for name, t in load_file(folder / "model.safetensors").items():
+        base, _, part = name.removeprefix("bert.").rpartition(".")
+        if base.startswith("encoder.layer."):
+            index, kind = base.removeprefix("encoder.layer.").split(".", 1)
+            gname = f"blk.{index}.{layer[kind]}.{part}"
+        elif base in top:
+            gname = f"{top[base]}.{part}"
+        else:
+            continue
+        data = t.float().numpy()
+        w.add_tensor(gname, data.astype(np.float16) if f16 and data.ndim == 2 else data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_a_llama_cpp_bert_gguf_serves_as_its_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights (F16 matrices), pooling and the WordPiece tokenizer rebuilt from the GGUF give the folder's
+    embeddings; the file is detected as an embedding model."""
+    monkeypatch.setenv("SERVELM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = st_folder(tmp_path / "m", "mean", True)
+    path = write_bert_gguf(folder, tmp_path / "bert-f16.gguf")
+    assert embedding_mode(ServerArgs(model_path=str(path)), str(path))
+    from servelm.model_loader.tokenizer import load_tokenizer
+
+    gguf_tok, hf_tok = load_tokenizer(str(path)), transformers.AutoTokenizer.from_pretrained(folder)
+    for text in [*TEXTS[:-1], "Naïve CAFÉ — déjà vu!! unaffable", "中文 text", ("a query", "a document")]:
+        args = text if isinstance(text, tuple) else (text,)
+        assert gguf_tok(*args)["input_ids"] == hf_tok(*args)["input_ids"], text
+    assert gguf_tok("q", "d")["token_type_ids"] == hf_tok("q", "d")["token_type_ids"]
+    runner = runner_of(path)
+    assert runner.pooling.mode == "mean" and runner.pooling.normalize and runner.max_context_len == 128
+    ref = servelm_embed(runner_of(folder), TEXTS[:-1])
+    got = servelm_embed(runner, TEXTS[:-1])
+    assert torch.nn.functional.cosine_similarity(got, ref).min().item() >= 0.9999  # F16 matrices
