@@ -50,7 +50,7 @@ from servelm.entrypoints.serving_embedding import EmbeddingRequest, ServingEmbed
 from servelm.entrypoints.serving_native import ServingNative
 from servelm.entrypoints.serving_rerank import RerankRequest, ServingRerank
 from servelm.entrypoints.serving_responses import ServingResponses
-from servelm.entrypoints.serving_score import ScoreRequest, ScoreResponse, ServingScore
+from servelm.entrypoints.serving_score import ScoreRequest, ServingScore
 from servelm.managers.tokenizer_manager import SchedulerUnavailableError
 
 logger = logging.getLogger("servelm.http_server")
@@ -168,7 +168,7 @@ def _native_routes(app: FastAPI, native: ServingNative, scoring: ServingScore) -
     """SGLang's native API: /generate, /v1/score, tokenize and detokenize."""
 
     @app.post("/v1/score")
-    async def score(req: ScoreRequest, request: Request) -> ScoreResponse:
+    async def score(req: ScoreRequest, request: Request) -> Any:  # SGLang's ScoreResponse or vLLM's shape
         return await scoring.score(req, request)
 
     @app.post("/generate")

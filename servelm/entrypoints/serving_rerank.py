@@ -1,7 +1,8 @@
-"""POST /v1/rerank (also /rerank and /v2/rerank, as vLLM): Jina's and Cohere's rerank API on a cross-encoder
-(`BertForSequenceClassification`). Each document is paired with the query (`[CLS] query [SEP] document
-[SEP]`, token types 0 then 1) and scored by the model in one batch of the embedding scheduler; results come
-sorted by relevance, the best `top_n`.
+"""POST /v1/rerank (also /rerank and /v2/rerank, as vLLM): Jina's and Cohere's rerank API, and vLLM's pair
+scoring (`text_1`, `text_2` on /v1/score). On a cross-encoder (`BertForSequenceClassification`) each document
+is paired with the query (`[CLS] query [SEP] document [SEP]`, token types 0 then 1) and scored by the model,
+all pairs in one batch of the embedding scheduler; on an embedding model the score is the cosine similarity
+of the two texts' embeddings, as vLLM scores with one. Results come sorted by relevance, the best `top_n`.
 
 The relevance score is what sentence-transformers' CrossEncoder.predict gives: the sigmoid of a one-label
 model's logit (or the activation its config names: `sentence_transformers.activation_fn`, Identity keeps the
@@ -11,6 +12,7 @@ raw logit), and for a model of several labels the softmax probability of its las
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from typing import Any
 
@@ -66,54 +68,122 @@ def relevance(logits: list[float], activation: str | None) -> float:
 
 
 class ServingRerank(OpenAIServing):
-    """POST /v1/rerank."""
+    """POST /v1/rerank, and vLLM's pair scoring on /v1/score (`ServingScore` hands it `text_1`/`text_2`)."""
 
-    def pairs(self, req: RerankRequest) -> tuple[list[list[int]], list[list[int]]]:
-        """Each document's (token ids, token types) with the query first; a 400 naming a document that does
-        not fit the model (unless truncate_prompt_tokens cuts the documents to fit)."""
+    def check_pair_model(self, name: str | None) -> str:
+        """The served task ("score": a cross-encoder, "embed": cosine of embeddings, as vLLM scores with an
+        embedding model); a 400 on a generative server."""
+        task = self.manager.model_info.get("task") or "generate"
+        self.check_model(name, task="score" if task != "embed" else "embed")
+        return task
+
+    def pairs(self, queries: list[str], docs: list[str], keep: int | None,
+              param: str = "documents") -> tuple[list[list[int]], list[list[int]]]:
+        """Each (query, document) pair's (token ids, token types); a 400 naming a pair that does not fit the
+        model (unless `keep` cuts the documents to fit)."""
         limit = self.manager.context_length
-        keep = limit if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-        if keep is not None and keep > limit:
-            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
-                      "truncate_prompt_tokens")
         tokenizer = self.manager.tokenizer
         ids, types = [], []
-        for i, doc in enumerate(req.documents):
-            text = doc if isinstance(doc, str) else doc.text
+        for i, (query, text) in enumerate(zip(queries, docs, strict=True)):
             kw: dict[str, Any] = {"truncation": "only_second", "max_length": keep} if keep is not None else {}
             try:
-                enc = tokenizer(req.query, text, **kw)
+                enc = tokenizer(query, text, **kw)
             except Exception as exc:  # the query alone is longer than truncate_prompt_tokens
-                raise bad(f"documents.{i}: could not be paired with the query within {keep} tokens: {exc}",
+                raise bad(f"{param}.{i}: could not be paired with the query within {keep} tokens: {exc}",
                           "truncate_prompt_tokens") from None
-            error = input_length_error(len(enc["input_ids"]), limit, f"query with documents.{i}")
+            error = input_length_error(len(enc["input_ids"]), limit, f"query with {param}.{i}")
             if error:
-                raise bad(error, f"documents.{i}")
+                raise bad(error, f"{param}.{i}")
             ids.append(list(enc["input_ids"]))
             types.append(list(enc.get("token_type_ids") or [0] * len(enc["input_ids"])))
         return ids, types
 
-    async def rerank(self, req: RerankRequest, request: Request) -> Any:
-        self.check_model(req.model, task="score")
-        if not req.documents:
-            raise bad("documents must not be empty", "documents")
-        if len(req.documents) > MAX_INPUTS:
-            raise bad(f"{len(req.documents)} documents; at most {MAX_INPUTS} per request", "documents")
-        ids, types = self.pairs(req)
-        rid = f"rerank-{uuid.uuid4().hex}"
+    async def pair_scores(self, queries: list[str], docs: list[str], keep: int | None, request: Request,
+                          param: str = "documents") -> tuple[list[float], int] | Any:
+        """(score of each pair, tokens read): a cross-encoder's relevance, or an embedding model's cosine
+        similarity of the two texts' embeddings (each distinct text embedded once). Anything else is the
+        response of a client that hung up."""
+        if len(docs) > MAX_INPUTS:
+            raise bad(f"{len(docs)} {param}; at most {MAX_INPUTS} per request", param)
+        limit = self.manager.context_length
+        if keep == -1:
+            keep = limit
+        if keep is not None and keep > limit:
+            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
+                      "truncate_prompt_tokens")
+        task = self.manager.model_info.get("task")
+        rid = f"score-{uuid.uuid4().hex}"
+        if task == "embed":
+            texts = list(dict.fromkeys([*queries, *docs]))
+            tokenizer = self.manager.tokenizer
+            prompts = []
+            for text in texts:
+                kw: dict[str, Any] = {"truncation": True, "max_length": keep} if keep is not None else {}
+                ids = list(tokenizer(text, **kw)["input_ids"])
+                error = input_length_error(len(ids), limit, "text")
+                if error:
+                    raise bad(error, param if text in docs else "query")
+                prompts.append(ids)
+            group = self.submit(prompts, SamplingParams(max_new_tokens=0), rid, False)
+            result = await self.run_or_stream(group, request, None)
+            if not isinstance(result, list):
+                return result
+            vectors = {text: decode_vector(acc.embedding) for text, acc in zip(texts, result, strict=True)
+                       if acc.embedding is not None}
+            scores = [cosine(vectors[q], vectors[d]) for q, d in zip(queries, docs, strict=True)]
+            return scores, sum(len(p) for p in prompts)
+        ids, types = self.pairs(queries, docs, keep, param)
         group = self.submit(ids, SamplingParams(max_new_tokens=0), rid, False, token_type_ids=types)
         result = await self.run_or_stream(group, request, None)
         if not isinstance(result, list):
-            return result  # the client hung up
+            return result
         activation = self.manager.model_info.get("activation")
-        results = []
+        scores = []
         for index, acc in enumerate(result):
             if acc.embedding is None:
-                raise bad(f"documents.{index} was not scored", "documents")
-            doc = req.documents[index]
-            results.append(RerankResult(
-                index=index, relevance_score=relevance(list(decode_vector(acc.embedding)), activation),
-                document=(RerankDocument(text=doc) if isinstance(doc, str) else doc) if req.return_documents else None))
+                raise bad(f"{param}.{index} was not scored", param)
+            scores.append(relevance(list(decode_vector(acc.embedding)), activation))
+        return scores, sum(len(x) for x in ids)
+
+    async def rerank(self, req: RerankRequest, request: Request) -> Any:
+        self.check_pair_model(req.model)
+        if not req.documents:
+            raise bad("documents must not be empty", "documents")
+        texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
+        scored = await self.pair_scores([req.query] * len(texts), texts, req.truncate_prompt_tokens, request)
+        if not isinstance(scored, tuple):
+            return scored  # the client hung up
+        scores, tokens = scored
+        results = [RerankResult(index=i, relevance_score=score,
+                                document=RerankDocument(text=texts[i]) if req.return_documents else None)
+                   for i, score in enumerate(scores)]
         results.sort(key=lambda r: -r.relevance_score)
-        return RerankResponse(id=rid, model=self.state.model_name, results=results[:req.top_n],
-                              usage=RerankUsage(total_tokens=sum(len(x) for x in ids)))
+        return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self.state.model_name,
+                              results=results[:req.top_n], usage=RerankUsage(total_tokens=tokens))
+
+    async def score_pairs(self, text_1: str | list[str], text_2: str | list[str], keep: int | None,
+                          request: Request) -> Any:
+        """vLLM's POST /v1/score: `text_1` against each of `text_2` (one to many), or pairwise (equal lists)."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not first or not second:
+            raise bad("text_1 and text_2 must not be empty", "text_1" if not first else "text_2")
+        if len(first) == 1:
+            first = first * len(second)
+        elif len(first) != len(second):
+            raise bad(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
+                      "text_2", "text_2")
+        scored = await self.pair_scores(first, second, keep, request, param="text_2")
+        if not isinstance(scored, tuple):
+            return scored
+        scores, tokens = scored
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.state.model_name,
+                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+
+def cosine(a: Any, b: Any) -> float:
+    dot = math.fsum(x * y for x, y in zip(a, b, strict=True))
+    norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return dot / norm if norm > 0 else 0.0

@@ -23,14 +23,18 @@ from servelm.sampling_params import SamplingParams
 
 
 class ScoreRequest(_TopRequest):
-    """SGLang's ScoringRequest: text query and items, or token-id query and items."""
+    """SGLang's ScoringRequest (text query and items, or token-id query and items, with label_token_ids), or
+    on a cross-encoder or embedding model vLLM's pair scoring (`text_1`, `text_2`; or query and text items)."""
 
     model: str | None = None
-    query: str | list[int]
-    items: str | list[str] | list[list[int]]
-    label_token_ids: list[int] = Field(min_length=1)
+    query: str | list[int] | None = None
+    items: str | list[str] | list[list[int]] | None = None
+    label_token_ids: list[int] | None = None
     apply_softmax: bool = False
     item_first: bool = False
+    text_1: str | list[str] | None = None  # vLLM's
+    text_2: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
 
 class ScoreResponse(_Response):
@@ -78,7 +82,14 @@ class ServingScore(OpenAIServing):
         return [list(item) + req.query if req.item_first else req.query + list(item) for item in items]  # type: ignore[operator]
 
     async def score(self, req: ScoreRequest, request: Request) -> ScoreResponse | Any:
+        pairs = req.text_1 is not None or req.text_2 is not None
+        if self.manager.model_info.get("task") in ("score", "embed") or pairs:
+            return await self.score_pairs(req, request)
         self.check_model(req.model)
+        if req.query is None:
+            raise bad("query is required", "query")
+        if req.items is None:
+            raise bad("items is required", "items")
         if not req.label_token_ids:
             raise bad("label_token_ids must not be empty", "label_token_ids")
         self.check_vocab(req.label_token_ids, "label_token_ids")
@@ -105,6 +116,26 @@ class ServingScore(OpenAIServing):
         return ScoreResponse(scores=scores, model=self.state.model_name,
                              usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=0,
                                              total_tokens=prompt_tokens))
+
+    async def score_pairs(self, req: ScoreRequest, request: Request) -> Any:
+        """vLLM's pair scoring on a cross-encoder or an embedding model: `text_1` with `text_2`, or SGLang's
+        text `query` with `items`."""
+        from servelm.entrypoints.serving_rerank import ServingRerank
+
+        rerank = ServingRerank(self.state)
+        rerank.check_pair_model(req.model)
+        if req.label_token_ids is not None:
+            raise bad("label_token_ids scores a generative model's next token; this model scores pairs: send "
+                      "text_1 and text_2", "label_token_ids")
+        if req.text_1 is None and req.text_2 is None:
+            if not isinstance(req.query, str) or req.items is None or \
+                    not all(isinstance(i, str) for i in ([req.items] if isinstance(req.items, str) else req.items)):
+                raise bad("send text_1 and text_2 (or a text query and text items) to score pairs", "text_1")
+            return await rerank.score_pairs(req.query, req.items, req.truncate_prompt_tokens,  # type: ignore[arg-type]
+                                            request)
+        if req.text_1 is None or req.text_2 is None:
+            raise bad("text_1 and text_2 are both required", "text_1" if req.text_1 is None else "text_2")
+        return await rerank.score_pairs(req.text_1, req.text_2, req.truncate_prompt_tokens, request)
 
     def submit_scoring(self, prompts: list[list[int]], label_token_ids: list[int]) -> Any:
         """Prefill-only requests whose final outputs carry the labels' logprobs."""

@@ -134,8 +134,6 @@ def test_generation_routes_refuse_an_embedding_model(server: ServerProcess, clie
     with pytest.raises(openai.BadRequestError, match="is an embedding model"):
         client.completions.create(model="minilm", prompt="hi", max_tokens=4)
     assert httpx.post(f"{server.base_url}/generate", json={"text": "hi"}, timeout=30).status_code == 400
-    r = httpx.post(f"{server.base_url}/v1/rerank", json={"query": "q", "documents": ["d"]}, timeout=30)
-    assert r.status_code == 400 and "reranking, which needs a cross-encoder" in r.json()["error"]["message"]
     assert httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": "hi"}, timeout=30).json()["count"] == 3
     models = client.models.list().data
     assert models[0].id == "minilm" and models[0].task == "embed"  # type: ignore[attr-defined]
@@ -165,3 +163,23 @@ def test_langchain_and_litellm_clients(server: ServerProcess, reference: st.Sent
                           timeout=60)
     assert _cos(np.array([d["embedding"] for d in r.data]), ref).min() >= 0.99999
     assert r.usage.prompt_tokens == sum(len(reference.tokenizer(t)["input_ids"]) for t in texts)
+
+
+def test_rerank_and_pair_scores_are_cosine_similarities(server: ServerProcess,
+                                                        reference: st.SentenceTransformer) -> None:
+    """As vLLM scores with an embedding model: the cosine of the two texts' embeddings, on /v1/rerank and on
+    /v1/score (text_1 against each of text_2, or pairwise)."""
+    query, docs = "what do llamas eat?", ["Llamas eat grass.", "The stock market fell.", "Alpacas graze too."]
+    vecs = reference.encode([query, *docs])
+    want = [float(_cos(vecs[0], v)) for v in vecs[1:]]
+    r = httpx.post(f"{server.base_url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
+    assert [x["index"] for x in r["results"]] == sorted(range(3), key=lambda i: -want[i])
+    for x in r["results"]:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+    s = httpx.post(f"{server.base_url}/v1/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["score"] for d in s["data"]] == pytest.approx(want, abs=1e-5) and s["object"] == "list"
+    pairwise = httpx.post(f"{server.base_url}/v1/score", json={"text_1": [query, docs[0]], "text_2": docs[:2]},
+                          timeout=60).json()["data"]
+    assert pairwise[1]["score"] == pytest.approx(float(_cos(vecs[1], vecs[2])), abs=1e-5)
+    bad = httpx.post(f"{server.base_url}/v1/score", json={"text_1": [query, query], "text_2": docs}, timeout=60)
+    assert bad.status_code == 400 and "give one text_1, or as many as text_2" in bad.json()["message"]

@@ -92,6 +92,19 @@ def test_a_reranker_refuses_embeddings_and_chat(server: ServerProcess) -> None:
         assert r.status_code == 400 and "is a cross-encoder (a reranker)" in r.json()["error"]["message"]
 
 
-def test_embedding_and_generative_servers_refuse_rerank(parity_server: ServerProcess) -> None:
+def test_vllm_pair_scores_on_v1_score(server: ServerProcess, model: Path) -> None:
+    ref = st.CrossEncoder(str(model), device="cpu").predict([(QUERY, d) for d in DOCS[:3]])
+    r = _post(server, "/v1/score", {"model": "reranker", "text_1": QUERY, "text_2": DOCS[:3]})
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx([float(x) for x in ref], abs=1e-5)
+    sglang = _post(server, "/v1/score", {"query": QUERY, "items": DOCS[:3]}).json()  # SGLang's spelling
+    assert [d["score"] for d in sglang["data"]] == pytest.approx([float(x) for x in ref], abs=1e-5)
+    r = _post(server, "/v1/score", {"query": QUERY, "items": DOCS[:1], "label_token_ids": [1]})
+    assert r.status_code == 400 and "this model scores pairs" in r.json()["message"]
+
+
+def test_a_generative_server_refuses_rerank_and_pair_scores(parity_server: ServerProcess) -> None:
     r = _post(parity_server, "/v1/rerank", {"query": QUERY, "documents": DOCS})
     assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["error"]["message"]
+    r = _post(parity_server, "/v1/score", {"text_1": QUERY, "text_2": DOCS})
+    assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["message"]
