@@ -181,8 +181,10 @@ class ServingNative(OpenAIServing):
         return {"prompt": self.manager.decode(req.tokens)}
 
     async def health_generate(self, request: Request) -> Response:
-        """GET /health_generate: 200 once the model generated one token."""
-        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        """GET /health_generate: 200 once the model generated one token (an embedding server: embedded one
+        input)."""
+        embeds = self.manager.model_info.get("task") in ("embed", "score")
+        params = SamplingParams(max_new_tokens=0 if embeds else 1, temperature=0.0, ignore_eos=True)
         ids = self.manager.encode("Hello", add_special_tokens=True) or [0]
         try:
             group = self.manager.submit([ids], params, f"health-{uuid.uuid4().hex}", False)
@@ -190,7 +192,7 @@ class ServingNative(OpenAIServing):
         except (QueueFullError, asyncio.TimeoutError, ClientGone) as exc:
             return error_response(503, f"generation health check failed: {type(exc).__name__}: {exc}",
                                   type="service_unavailable")
-        if not accs[0].token_ids:
+        if not (accs[0].embedding if embeds else accs[0].token_ids):
             reason = accs[0].finish_reason
             return error_response(503, f"generation health check failed: {reason and reason.to_dict()}",
                                   type="service_unavailable")
@@ -201,7 +203,7 @@ class ServingNative(OpenAIServing):
         args = self.state.server_args
         return {**self.manager.model_info, "model_path": args.model_path or self.manager.model_info.get("model_path"),
                 "tokenizer_path": tokenizer_display_path(args), "served_model_name": self.state.model_name,
-                "is_generation": True}
+                "is_generation": (self.manager.model_info.get("task") or "generate") == "generate"}
 
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info: the scheduler's live state and the server's arguments (API key masked)."""

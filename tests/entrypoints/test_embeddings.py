@@ -135,6 +135,8 @@ def test_generation_routes_refuse_an_embedding_model(server: ServerProcess, clie
         client.completions.create(model="minilm", prompt="hi", max_tokens=4)
     assert httpx.post(f"{server.base_url}/generate", json={"text": "hi"}, timeout=30).status_code == 400
     assert httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": "hi"}, timeout=30).json()["count"] == 3
+    assert httpx.get(f"{server.base_url}/health_generate", timeout=60).status_code == 200  # it embedded one input
+    assert httpx.get(f"{server.base_url}/model_info", timeout=30).json()["is_generation"] is False
     models = client.models.list().data
     assert models[0].id == "minilm" and models[0].task == "embed"  # type: ignore[attr-defined]
     assert "servelm ready" in server.log() and "embedding model" in server.log()
