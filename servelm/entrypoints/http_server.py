@@ -48,7 +48,7 @@ from servelm.entrypoints.serving_chat import ServingChat
 from servelm.entrypoints.serving_completions import ServingCompletions
 from servelm.entrypoints.serving_embedding import EmbeddingRequest, ServingEmbedding
 from servelm.entrypoints.serving_native import ServingNative
-from servelm.entrypoints.serving_rerank import RerankRequest, ServingRerank
+from servelm.entrypoints.serving_rerank import ClassifyRequest, RerankRequest, ServingRerank
 from servelm.entrypoints.serving_responses import ServingResponses
 from servelm.entrypoints.serving_score import ScoreRequest, ServingScore
 from servelm.managers.tokenizer_manager import SchedulerUnavailableError
@@ -94,6 +94,11 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     @app.post("/rerank")
     async def rerank(req: RerankRequest, request: Request) -> Any:
         return await reranking.rerank(req, request)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(req: ClassifyRequest, request: Request) -> Any:
+        return await reranking.classify(req, request)
 
     _operations_routes(app, state, native)
     mount_chat_page(app)

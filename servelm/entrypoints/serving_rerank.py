@@ -39,6 +39,14 @@ class RerankRequest(_TopRequest):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: cut each pair to this many
 
 
+class ClassifyRequest(_TopRequest):
+    """vLLM's POST /classify: each input through a sequence-classification model."""
+
+    model: str | None = None
+    input: str | list[str]
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+
+
 class RerankResult(_Response):
     index: int
     relevance_score: float
@@ -181,6 +189,54 @@ class ServingRerank(OpenAIServing):
                 "model": self.state.model_name,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+
+
+    async def classify(self, req: ClassifyRequest, request: Request) -> Any:
+        """vLLM's /classify on a BertForSequenceClassification model: each input's class probabilities (the
+        softmax of its logits; the sigmoid of a one-label model's), and the most likely label by the model's
+        config.id2label."""
+        self.check_model(req.model, task="score")
+        texts = [req.input] if isinstance(req.input, str) else list(req.input)
+        if not texts:
+            raise bad("input must not be empty", "input")
+        if len(texts) > MAX_INPUTS:
+            raise bad(f"input has {len(texts)} items; at most {MAX_INPUTS} per request", "input")
+        limit = self.manager.context_length
+        keep = limit if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+        if keep is not None and keep > limit:
+            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
+                      "truncate_prompt_tokens")
+        kw: dict[str, Any] = {"truncation": True, "max_length": keep} if keep is not None else {}
+        prompts = []
+        for i, text in enumerate(texts):
+            ids = list(self.manager.tokenizer(text, **kw)["input_ids"])
+            error = input_length_error(len(ids), limit, f"input.{i}" if len(texts) > 1 else "input")
+            if error:
+                raise bad(error, f"input.{i}" if len(texts) > 1 else "input")
+            prompts.append(ids)
+        rid = f"classify-{uuid.uuid4().hex}"
+        group = self.submit(prompts, SamplingParams(max_new_tokens=0), rid, False)
+        result = await self.run_or_stream(group, request, None)
+        if not isinstance(result, list):
+            return result
+        labels = self.manager.model_info.get("id2label") or {}
+        data = []
+        for index, acc in enumerate(result):
+            if acc.embedding is None:
+                raise bad(f"input.{index} was not classified", "input")
+            logits = list(decode_vector(acc.embedding))
+            if len(logits) == 1:
+                probs = [1.0 / (1.0 + math.exp(-logits[0]))]
+            else:
+                top = max(logits)
+                weights = [math.exp(x - top) for x in logits]
+                probs = [w / sum(weights) for w in weights]
+            best = max(range(len(probs)), key=probs.__getitem__) if len(probs) > 1 else int(probs[0] > 0.5)
+            data.append({"index": index, "label": labels.get(str(best), f"LABEL_{best}"), "probs": probs,
+                         "num_classes": len(probs)})
+        tokens = sum(len(p) for p in prompts)
+        return {"id": rid, "object": "list", "created": int(time.time()), "model": self.state.model_name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
 
 def cosine(a: Any, b: Any) -> float:

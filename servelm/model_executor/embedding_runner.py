@@ -108,6 +108,8 @@ class EmbeddingRunner:
     def model_info(self) -> dict[str, Any]:
         return {"task": self.task, "num_labels": getattr(self.config, "num_labels", None),
                 "activation": self.activation,
+                "id2label": {str(k): v for k, v in (getattr(self.config, "id2label", None) or {}).items()}
+                if self.task == "score" else None,
                 "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
                 "hidden_size": self.hidden_size, "embedding_dimensions": self.hidden_size,
                 "pooling": self.pooling.mode, "normalize": self.pooling.normalize,

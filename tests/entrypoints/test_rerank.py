@@ -108,3 +108,21 @@ def test_a_generative_server_refuses_rerank_and_pair_scores(parity_server: Serve
     assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["error"]["message"]
     r = _post(parity_server, "/v1/score", {"text_1": QUERY, "text_2": DOCS})
     assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["message"]
+
+
+def test_classify_gives_each_inputs_class_probabilities(server: ServerProcess, model: Path) -> None:
+    """vLLM's /classify on the one-label cross-encoder: the sigmoid of its logit, as transformers computes it."""
+    import torch
+    import transformers
+
+    texts = ["what do llamas eat?", "Llamas eat grass and hay."]
+    ref_model = transformers.BertForSequenceClassification.from_pretrained(model).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    with torch.no_grad():
+        logits = ref_model(**tok(texts, padding=True, return_tensors="pt")).logits[:, 0]
+    r = _post(server, "/classify", {"input": texts})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["num_classes"] for d in data] == [1, 1]
+    assert [d["probs"][0] for d in data] == pytest.approx(torch.sigmoid(logits).tolist(), abs=1e-5)
+    assert _post(server, "/v1/classify", {"input": []}).status_code == 400
