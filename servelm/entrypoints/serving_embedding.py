@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Literal
 
 from fastapi import Request
+from fastapi.responses import Response
 from pydantic import Field
 
 from servelm.entrypoints.http_common import bad
@@ -158,5 +159,8 @@ class ServingEmbedding(OpenAIServing):
                 vector = encode_vector(vec) if req.encoding_format == "base64" else vec.tolist()
             data.append(EmbeddingData(index=index, embedding=vector))
         tokens = sum(len(ids) for ids in inputs)
-        return EmbeddingResponse(id=rid, data=data, model=self.state.model_name,
+        body = EmbeddingResponse(id=rid, data=data, model=self.state.model_name,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
+        # Serialised by pydantic's own JSON encoder: FastAPI's path (jsonable_encoder, then json.dumps) walks
+        # every float of every vector in Python.
+        return Response(content=body.model_dump_json(exclude_none=True), media_type="application/json")
