@@ -299,7 +299,7 @@ class HarmonyReasoningStream:
         self.fmt = fmt
         self.reader = HarmonyReader(encoding(tokenizer))
         self.markup = markup
-        self.state = "inside"  # for the constraint gate: a harmony output starts with its header
+        self.state = "inside"  # ReasoningStream's attribute (harmony requests are never gated: prepare_reasoning)
         self.finished = False
         self.reasoning_text = ""
         self.answer_text = ""
