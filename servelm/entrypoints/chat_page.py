@@ -13,10 +13,12 @@ under `/static/docs/` instead; without it they are left as FastAPI makes them.
 
 from __future__ import annotations
 
+import html
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
@@ -42,11 +44,16 @@ def offline_docs_dir() -> Path | None:
     return folder if (folder / "swagger-ui-bundle.js").is_file() else None
 
 
-def mount_chat_page(app: FastAPI) -> None:
-    """Register `GET /` (the chat page) and the static files under `/static`; serve the API docs offline."""
+def mount_chat_page(app: FastAPI, not_chat: Callable[[], str | None] = lambda: None) -> None:
+    """Register `GET /` (the chat page) and the static files under `/static`; serve the API docs offline.
+    `not_chat()`: what a server that cannot chat (an embedding model) says at `/` instead, else None."""
 
     @app.get("/", include_in_schema=False)
-    async def chat_page() -> FileResponse:
+    async def chat_page() -> Response:
+        text = not_chat()
+        if text is not None:
+            return HTMLResponse(f"<!doctype html><title>servelm</title><p>{html.escape(text)}</p>"
+                                '<p><a href="/docs">API documentation</a></p>')
         return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     docs = offline_docs_dir()

@@ -71,6 +71,16 @@ def served_model_name(server_args: ServerArgs) -> str:
         return "default"
 
 
+def _not_chat(state: ServerState) -> str | None:
+    """What `/` says on a server whose model does not chat (else None: the chat page)."""
+    task = state.manager.model_info.get("task")
+    if task == "embed":
+        return f"This server serves the embedding model {state.model_name}: POST /v1/embeddings (and /v1/rerank)."
+    if task == "score":
+        return f"This server serves the cross-encoder {state.model_name}: POST /v1/rerank, /v1/score, /classify."
+    return None
+
+
 # ------------------------------------------------------------- the app
 def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
     """The FastAPI app over `state`; `lifespan` (launch's) starts and stops the scheduler link."""
@@ -101,7 +111,7 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
         return await reranking.classify(req, request)
 
     _operations_routes(app, state, native)
-    mount_chat_page(app)
+    mount_chat_page(app, lambda: _not_chat(state))
     return app
 
 

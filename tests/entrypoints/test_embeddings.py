@@ -137,6 +137,8 @@ def test_generation_routes_refuse_an_embedding_model(server: ServerProcess, clie
     assert httpx.post(f"{server.base_url}/v1/tokenize", json={"prompt": "hi"}, timeout=30).json()["count"] == 3
     assert httpx.get(f"{server.base_url}/health_generate", timeout=60).status_code == 200  # it embedded one input
     assert httpx.get(f"{server.base_url}/model_info", timeout=30).json()["is_generation"] is False
+    page = httpx.get(f"{server.base_url}/", timeout=30)  # no chat page: what the server does instead
+    assert page.status_code == 200 and "serves the embedding model minilm: POST /v1/embeddings" in page.text
     models = client.models.list().data
     assert models[0].id == "minilm" and models[0].task == "embed"  # type: ignore[attr-defined]
     assert "servelm ready" in server.log() and "embedding model" in server.log()
