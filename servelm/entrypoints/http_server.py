@@ -46,7 +46,7 @@ from servelm.entrypoints.responses_protocol import ResponseObject, ResponsesRequ
 from servelm.entrypoints.server_state import ServerState  # re-exported: launch builds it
 from servelm.entrypoints.serving_chat import ServingChat
 from servelm.entrypoints.serving_completions import ServingCompletions
-from servelm.entrypoints.serving_embedding import EmbeddingRequest, ServingEmbedding
+from servelm.entrypoints.serving_embedding import EmbeddingRequest, PoolingRequest, ServingEmbedding
 from servelm.entrypoints.serving_native import ServingNative
 from servelm.entrypoints.serving_rerank import ClassifyRequest, RerankRequest, ServingRerank
 from servelm.entrypoints.serving_responses import ServingResponses
@@ -96,6 +96,10 @@ def build_app(state: ServerState, lifespan: Callable[[FastAPI], Any] | None = No
     @app.post("/v1/embeddings")
     async def create_embeddings(req: EmbeddingRequest, request: Request) -> Any:
         return await embedding.create(req, request)
+
+    @app.post("/pooling")
+    async def pooling(req: PoolingRequest, request: Request) -> Any:
+        return await embedding.pooling(req, request)
 
     reranking = ServingRerank(state)
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import array
 import base64
+import json
 import math
 import sys
+import time
 import uuid
 from typing import Any, Literal
 
@@ -36,6 +38,19 @@ class EmbeddingRequest(_TopRequest):
     # vLLM's extensions
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool = True
+
+
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's POST /pooling: the model's pooled output as it is (an embedding model's vector, a
+    cross-encoder's logits), no `dimensions`."""
+
+    dimensions: None = None
+
+
+class PoolingData(_Response):
+    object: Literal["pooling"] = "pooling"
+    index: int
+    data: list[float] | str
 
 
 class EmbeddingData(_Response):
@@ -131,6 +146,26 @@ class ServingEmbedding(OpenAIServing):
                 raise bad(error, where)
             out.append(ids)
         return out
+
+    async def pooling(self, req: PoolingRequest, request: Request) -> Any:
+        """vLLM's POST /pooling on an embedding model or a cross-encoder (each input alone)."""
+        self.check_model(req.model, task="score" if self.manager.model_info.get("task") == "score" else "embed")
+        inputs = self.inputs(req)
+        rid = f"pool-{uuid.uuid4().hex}"
+        group = self.submit(inputs, SamplingParams(max_new_tokens=0), rid, False)
+        result = await self.run_or_stream(group, request, None)
+        if not isinstance(result, list):
+            return result  # the client hung up
+        data = []
+        for index, acc in enumerate(result):
+            if acc.embedding is None:
+                raise bad(f"input.{index} was not pooled", "input")
+            vector = acc.embedding if req.encoding_format == "base64" else decode_vector(acc.embedding).tolist()
+            data.append(PoolingData(index=index, data=vector).model_dump())
+        tokens = sum(len(ids) for ids in inputs)
+        body = {"id": rid, "object": "list", "created": int(time.time()), "model": self.state.model_name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+        return Response(content=json.dumps(body), media_type="application/json")
 
     async def create(self, req: EmbeddingRequest, request: Request) -> Any:
         self.check_model(req.model, task="embed")

@@ -187,3 +187,10 @@ def test_rerank_and_pair_scores_are_cosine_similarities(server: ServerProcess,
     assert pairwise[1]["score"] == pytest.approx(float(_cos(vecs[1], vecs[2])), abs=1e-5)
     bad = httpx.post(f"{server.base_url}/v1/score", json={"text_1": [query, query], "text_2": docs}, timeout=60)
     assert bad.status_code == 400 and "give one text_1, or as many as text_2" in bad.json()["message"]
+
+
+def test_pooling_is_the_embedding(server: ServerProcess, reference: st.SentenceTransformer) -> None:
+    r = httpx.post(f"{server.base_url}/pooling", json={"input": ["pooled", "twice"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = np.array([d["data"] for d in r.json()["data"]])
+    assert _cos(got, reference.encode(["pooled", "twice"])).min() >= 0.99999

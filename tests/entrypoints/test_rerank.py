@@ -126,3 +126,19 @@ def test_classify_gives_each_inputs_class_probabilities(server: ServerProcess, m
     assert [d["num_classes"] for d in data] == [1, 1]
     assert [d["probs"][0] for d in data] == pytest.approx(torch.sigmoid(logits).tolist(), abs=1e-5)
     assert _post(server, "/v1/classify", {"input": []}).status_code == 400
+
+
+def test_pooling_gives_the_cross_encoders_logits(server: ServerProcess, model: Path) -> None:
+    """vLLM's /pooling: the model's pooled output as it is (here the logit of each input alone)."""
+    import torch
+    import transformers
+
+    ref_model = transformers.BertForSequenceClassification.from_pretrained(model).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    with torch.no_grad():
+        logit = ref_model(**tok(DOCS[0], return_tensors="pt")).logits[0].tolist()
+    r = _post(server, "/pooling", {"input": DOCS[0]})
+    assert r.status_code == 200, r.text
+    (item,) = r.json()["data"]
+    assert item["object"] == "pooling" and item["data"] == pytest.approx(logit, abs=1e-5)
+    assert _post(server, "/pooling", {"input": DOCS[0], "dimensions": 4}).status_code == 400
