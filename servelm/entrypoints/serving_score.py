@@ -86,6 +86,9 @@ class ServingScore(OpenAIServing):
         if self.manager.model_info.get("task") in ("score", "embed") or pairs:
             return await self.score_pairs(req, request)
         self.check_model(req.model)
+        if req.truncate_prompt_tokens is not None:  # never dropped silently
+            raise bad("truncate_prompt_tokens applies to pair scoring (a cross-encoder or an embedding model), "
+                      "not to label scoring", "truncate_prompt_tokens")
         if req.query is None:
             raise bad("query is required", "query")
         if req.items is None:

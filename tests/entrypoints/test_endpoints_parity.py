@@ -84,6 +84,8 @@ def test_score_token_ids_and_item_first(http: httpx.Client, tiny_llama: tuple[Pa
     ({"query": "q", "items": [], "label_token_ids": [1]}, "items"),
     ({"query": "q", "items": ["a"] * 321, "label_token_ids": [1]}, "items"),  # more than the server runs at once
     ({"query": "q", "items": ["a"], "label_token_ids": [1], "bogus": 1}, "bogus"),
+    ({"query": "q", "items": ["a"], "label_token_ids": [1], "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"items": ["a"], "label_token_ids": [1]}, "query"),
 ])
 def test_score_bad_requests(http: httpx.Client, body: dict, param: str) -> None:
     r = http.post("/v1/score", json=body)
