@@ -62,3 +62,33 @@ def build_tiny_model(out: Path, tokenizer_dir: Path, arch: str = "llama", std: f
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_dir: Path) -> tuple[Path, torch.nn.Module]:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), default_tokenizer_dir, "llama", std=0.5)
+
+
+def build_bigram_chain_model(out: Path, tokenizer_dir: Path, chain: list[int],
+                             messages: list[dict]) -> tuple[Path, list[int]]:
+    """A tiny Qwen3 (tokenizer from `tokenizer_dir`) whose weights make it a bigram chain: with o_proj and
+    down_proj zero every layer adds nothing to the residual stream, so the logits depend on the current token
+    alone, and lm_head row y is aimed at token x's normalised embedding for each link x -> y of `chain` (whose
+    tokens must be distinct; chain[0] is the generation prompt's last token). Checked against transformers'
+    own greedy output after `messages`' generation prompt; returns (folder, that output: chain[1:])."""
+    assert len(set(chain)) == len(chain), chain
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    out, model = build_tiny_model(out, tokenizer_dir, "qwen3", tie_word_embeddings=False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        emb = model.model.embed_tokens.weight
+        emb.normal_(0.0, 1.0)
+        unit = emb / emb.norm(dim=-1, keepdim=True)
+        head = model.lm_head.weight
+        head.normal_(0.0, 0.01)
+        for x, y in zip(chain, chain[1:], strict=False):
+            head[y] = 5.0 * unit[x]
+    model.save_pretrained(out, safe_serialization=True)
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    assert ids[0, -1].item() == chain[0]
+    got = model.generate(ids, max_new_tokens=len(chain) + 2, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert got == chain[1:], (got, chain)
+    return out, got

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 import transformers
 
 from servelm.config import ServerArgs
@@ -26,7 +25,8 @@ from servelm.entrypoints.openai_protocol import ChatTool
 from servelm.entrypoints.reasoning import auto_format
 from servelm.entrypoints.tool_calls import plan_tool_calls
 from servelm.entrypoints.tool_parsers import make_parser, pick_parser
-from tests.conftest import build_tiny_model
+from tests.conftest import build_bigram_chain_model
+from tests.entrypoints.test_tool_parsers import _stream as stream_pieces
 from tests.server_fixtures import ServerProcess, sse_events, start_server
 
 pytest.importorskip("openai_harmony")
@@ -100,21 +100,9 @@ def test_tool_parser_whole_and_at_every_cut(text: str, want_reasoning: str, cont
     plan = plan_tool_calls(TOOLS, "auto", make_parser("openai", TOOLS))
     assert plan is not None and _calls(plan.read(text)[1]) == calls
     for pieces in _cuts(text):
-        stream = make_parser("openai", TOOLS).stream()
-        streamed, names, args = "", {}, {}
-        for piece in pieces:
-            streamed += stream.feed(piece)
-            for d in stream.call_deltas():
-                if d.id is not None:  # id and name first, then argument pieces
-                    assert d.index not in names and d.function.name and d.type == "function"
-                    names[d.index] = d.function.name
-                else:
-                    assert d.index in names and d.function.name is None
-                args[d.index] = args.get(d.index, "") + (d.function.arguments or "")
-        rest, found = stream.finish()
-        assert (streamed + (rest or "")).strip() == (content or ""), pieces
-        assert [(names[k], json.loads(args[k])) for k in sorted(names)] + _calls(found[stream.streamed_calls:]) \
-            == calls, pieces
+        streamed, names, args, late = stream_pieces("openai", pieces)  # checks id and name come first
+        assert streamed.strip() == (content or ""), pieces
+        assert [(names[k], json.loads(args[k])) for k in sorted(names)] + _calls(late) == calls, pieces
 
 
 @pytest.mark.parametrize("text, want_reasoning, content, calls", GOLDEN)
@@ -218,7 +206,6 @@ def _chain(tok: transformers.PreTrainedTokenizerBase) -> list[int]:
     ids = (enc("assistant")[-1:] + enc("<|channel|>") + enc("analysis") + enc("<|message|>") + enc(THOUGHT)
            + [tok.convert_tokens_to_ids(FINAL_HEADER)] + enc(ANSWER) + [tok.convert_tokens_to_ids(CALL_HEADER)]
            + enc(ARGS) + [tok.eos_token_id])
-    assert len(set(ids)) == len(ids), ids  # a bigram chain needs distinct tokens
     return ids
 
 
@@ -230,26 +217,7 @@ def harmony_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_di
     tok.add_tokens([FINAL_HEADER, CALL_HEADER])
     tok.chat_template = TEMPLATE
     tok.save_pretrained(tok_dir)
-    out, model = build_tiny_model(tmp_path_factory.mktemp("harmony_model"), tok_dir, "qwen3",
-                                  tie_word_embeddings=False)
-    chain = _chain(tok)
-    with torch.no_grad():  # every layer adds nothing; lm_head row y points at token x: greedy follows x -> y
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        emb = model.model.embed_tokens.weight
-        emb.normal_(0.0, 1.0)
-        unit = emb / emb.norm(dim=-1, keepdim=True)
-        head = model.lm_head.weight
-        head.normal_(0.0, 0.01)
-        for x, y in zip(chain, chain[1:], strict=False):
-            head[y] = 5.0 * unit[x]
-    model.save_pretrained(out, safe_serialization=True)
-    prompt = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
-    assert ids[0, -1].item() == chain[0]
-    got = model.generate(ids, max_new_tokens=len(chain) + 2, do_sample=False)[0, ids.shape[1]:].tolist()
-    assert got == chain[1:], (got, chain)
+    out, got = build_bigram_chain_model(tmp_path_factory.mktemp("harmony_model"), tok_dir, _chain(tok), MESSAGES)
     assert tok.decode(got[:-1], skip_special_tokens=False) == (
         f"<|channel|>analysis<|message|>{THOUGHT}{FINAL_HEADER}{ANSWER}{CALL_HEADER}{ARGS}")
     return out

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import openai
 import pytest
-import torch
 import transformers
 
 from servelm import plugins
 from servelm.config import ConfigError, ServerArgs
 from servelm.entrypoints import reasoning
 from servelm.entrypoints.reasoning import BUILTIN, ReasoningFormat, ReasoningStream, auto_format, resolve, split
-from tests.conftest import build_tiny_model
+from tests.conftest import build_bigram_chain_model
 from tests.server_fixtures import ServerProcess, sse_events, start_server
 
 QWEN3, R1 = BUILTIN["qwen3"], BUILTIN["deepseek_r1"]
@@ -116,7 +115,6 @@ def _chain(tok: transformers.PreTrainedTokenizerBase) -> list[int]:
            + tok.encode(THOUGHT, add_special_tokens=False) + tok.encode("</think>", add_special_tokens=False)
            + tok.encode("\n\n", add_special_tokens=False) + tok.encode(ANSWER, add_special_tokens=False)
            + [tok.eos_token_id])
-    assert len(set(ids)) == len(ids), ids  # a bigram chain needs distinct tokens
     return ids
 
 
@@ -128,27 +126,9 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory, default_tokenizer_d
     tok.add_tokens(["<think>", "</think>"])  # as Qwen3's: added tokens, not special ones
     tok.chat_template = TEMPLATE
     tok.save_pretrained(tok_dir)
-    out, model = build_tiny_model(tmp_path_factory.mktemp("thinking_qwen3"), tok_dir, "qwen3",
-                                  tie_word_embeddings=False)
     chain = _chain(tok)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                p.zero_()
-        emb = model.model.embed_tokens.weight
-        emb.normal_(0.0, 1.0)
-        unit = emb / emb.norm(dim=-1, keepdim=True)
-        head = model.lm_head.weight
-        head.normal_(0.0, 0.01)
-        for x, y in zip(chain, chain[1:], strict=False):
-            head[y] = 5.0 * unit[x]
-    model.save_pretrained(out, safe_serialization=True)
-    # transformers' own greedy output is the chain
-    prompt = tok.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
-    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
-    assert ids[0, -1].item() == chain[0]
-    got = model.generate(ids, max_new_tokens=len(chain) + 2, do_sample=False)[0, ids.shape[1]:].tolist()
-    assert got == chain[1:], (got, chain)
+    out, _ = build_bigram_chain_model(tmp_path_factory.mktemp("thinking_qwen3"), tok_dir, chain,
+                                      [{"role": "user", "content": "2+2?"}])
     return out, chain.index(tok.convert_tokens_to_ids("</think>"))
 
 
