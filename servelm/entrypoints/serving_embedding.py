@@ -99,12 +99,39 @@ def encode_vector(vec: array.array) -> str:
 
 
 class ServingEmbedding(OpenAIServing):
-    """POST /v1/embeddings."""
+    """POST /v1/embeddings and /pooling; the helpers of every route an embedding server answers."""
 
-    def inputs(self, req: EmbeddingRequest) -> list[list[int]]:
+    def truncation(self, value: int | None) -> int | None:
+        """vLLM's `truncate_prompt_tokens` as a token count (-1: the model's limit); a 400 above the limit."""
+        limit = self.manager.context_length
+        keep = limit if value == -1 else value
+        if keep is not None and keep > limit:
+            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
+                      "truncate_prompt_tokens")
+        return keep
+
+    async def pooled(self, prompts: list[list[int]], prefix: str, request: Request, what: str, param: str,
+                     token_type_ids: list[list[int]] | None = None) -> tuple[str, list[str]] | Any:
+        """Run `prompts` through the model: (request id, each prompt's vector as float32 in base64), or the
+        response of a client that hung up (not a tuple). `what` and `param` name a prompt that came back without
+        one."""
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        group = self.submit(prompts, SamplingParams(max_new_tokens=0), rid, False, token_type_ids=token_type_ids)
+        result = await self.run_or_stream(group, request, None)
+        if not isinstance(result, list):
+            return result
+        vectors = []
+        for index, acc in enumerate(result):
+            if acc.embedding is None:  # a failure is raised by run_or_stream before this
+                raise bad(f"{param}.{index} was not {what}", param)
+            vectors.append(acc.embedding)
+        return rid, vectors
+
+    def inputs(self, raw: str | list[str] | list[int] | list[list[int]], keep: int | None,
+               add_special_tokens: bool = True) -> list[list[int]]:
         """Every input's token ids, each checked against the vocabulary and the model's input limit (cut to
-        `truncate_prompt_tokens` first: the tokenizer's side for text, the end for token ids)."""
-        raw = req.input
+        `keep` tokens first, vLLM's `truncate_prompt_tokens`: the tokenizer's side for text, the end for token
+        ids)."""
         if isinstance(raw, str) or (isinstance(raw, list) and raw and all(isinstance(t, int) for t in raw)):
             items: list[Any] = [raw]
         else:
@@ -114,12 +141,7 @@ class ServingEmbedding(OpenAIServing):
         if len(items) > MAX_INPUTS:
             raise bad(f"input has {len(items)} items; at most {MAX_INPUTS} per request", "input")
         limit = self.manager.context_length
-        keep = req.truncate_prompt_tokens
-        if keep == -1:
-            keep = limit
-        if keep is not None and keep > limit:
-            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
-                      "truncate_prompt_tokens")
+        keep = self.truncation(keep)
         tokenizer = self.manager.tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         backend = backend if backend is not None and backend.truncation is None else None
@@ -128,12 +150,12 @@ class ServingEmbedding(OpenAIServing):
             where = "input" if len(items) == 1 else f"input.{i}"
             if isinstance(item, str):
                 if keep is not None:
-                    ids = tokenizer(item, add_special_tokens=req.add_special_tokens, truncation=True,
+                    ids = tokenizer(item, add_special_tokens=add_special_tokens, truncation=True,
                                     max_length=keep)["input_ids"]
                 elif backend is not None:  # the Rust tokenizer itself: half the time of the HF call
-                    ids = backend.encode(item, add_special_tokens=req.add_special_tokens).ids
+                    ids = backend.encode(item, add_special_tokens=add_special_tokens).ids
                 else:
-                    ids = tokenizer(item, add_special_tokens=req.add_special_tokens)["input_ids"]
+                    ids = tokenizer(item, add_special_tokens=add_special_tokens)["input_ids"]
             else:
                 ids = list(item)
                 if keep is not None:
@@ -150,18 +172,14 @@ class ServingEmbedding(OpenAIServing):
     async def pooling(self, req: PoolingRequest, request: Request) -> Any:
         """vLLM's POST /pooling on an embedding model or a cross-encoder (each input alone)."""
         self.check_model(req.model, task="score" if self.manager.model_info.get("task") == "score" else "embed")
-        inputs = self.inputs(req)
-        rid = f"pool-{uuid.uuid4().hex}"
-        group = self.submit(inputs, SamplingParams(max_new_tokens=0), rid, False)
-        result = await self.run_or_stream(group, request, None)
-        if not isinstance(result, list):
-            return result  # the client hung up
-        data = []
-        for index, acc in enumerate(result):
-            if acc.embedding is None:
-                raise bad(f"input.{index} was not pooled", "input")
-            vector = acc.embedding if req.encoding_format == "base64" else decode_vector(acc.embedding).tolist()
-            data.append(PoolingData(index=index, data=vector).model_dump())
+        inputs = self.inputs(req.input, req.truncate_prompt_tokens, req.add_special_tokens)
+        pooled = await self.pooled(inputs, "pool", request, "pooled", "input")
+        if not isinstance(pooled, tuple):
+            return pooled  # the client hung up
+        rid, vectors = pooled
+        data = [PoolingData(index=index, data=vector if req.encoding_format == "base64"
+                            else decode_vector(vector).tolist()).model_dump()
+                for index, vector in enumerate(vectors)]
         tokens = sum(len(ids) for ids in inputs)
         body = {"id": rid, "object": "list", "created": int(time.time()), "model": self.state.model_name,
                 "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
@@ -174,21 +192,18 @@ class ServingEmbedding(OpenAIServing):
         if req.dimensions is not None and not 1 <= req.dimensions <= width:
             raise bad(f"dimensions must be between 1 and the model's {width} dimensions, got {req.dimensions}",
                       "dimensions")
-        inputs = self.inputs(req)
-        rid = f"embd-{uuid.uuid4().hex}"
-        group = self.submit(inputs, SamplingParams(max_new_tokens=0), rid, False)
-        result = await self.run_or_stream(group, request, None)
-        if not isinstance(result, list):
-            return result  # the client hung up
+        inputs = self.inputs(req.input, req.truncate_prompt_tokens, req.add_special_tokens)
+        pooled = await self.pooled(inputs, "embd", request, "embedded", "input")
+        if not isinstance(pooled, tuple):
+            return pooled  # the client hung up
+        rid, vectors = pooled
         data = []
         normalize = bool(info.get("normalize"))
-        for index, acc in enumerate(result):
-            if acc.embedding is None:
-                raise bad(f"input.{index} was not embedded", "input")  # an abort is raised before this
+        for index, raw in enumerate(vectors):
             if req.dimensions is None and req.encoding_format == "base64":
-                vector: list[float] | str = acc.embedding
+                vector: list[float] | str = raw
             else:
-                vec = decode_vector(acc.embedding)
+                vec = decode_vector(raw)
                 if req.dimensions is not None:
                     vec = shorten(vec, req.dimensions, normalize)
                 vector = encode_vector(vec) if req.encoding_format == "base64" else vec.tolist()

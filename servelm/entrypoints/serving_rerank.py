@@ -21,9 +21,8 @@ from pydantic import BaseModel, Field
 
 from servelm.entrypoints.http_common import bad
 from servelm.entrypoints.openai_protocol import _Response, _TopRequest
-from servelm.entrypoints.serving_base import OpenAIServing
-from servelm.entrypoints.serving_embedding import MAX_INPUTS, decode_vector
-from servelm.sampling_params import SamplingParams, input_length_error
+from servelm.entrypoints.serving_embedding import MAX_INPUTS, ServingEmbedding, decode_vector
+from servelm.sampling_params import input_length_error
 
 
 class RerankDocument(BaseModel):
@@ -64,18 +63,26 @@ class RerankResponse(_Response):
     results: list[RerankResult]
 
 
+def probabilities(logits: list[float]) -> list[float]:
+    """A classifier's class probabilities: the softmax of its logits, the sigmoid of a one-label model's."""
+    if len(logits) == 1:
+        return [1.0 / (1.0 + math.exp(-logits[0]))]
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
 def relevance(logits: list[float], activation: str | None) -> float:
-    """A cross-encoder's score of one pair, as sentence-transformers' CrossEncoder.predict computes it."""
-    if len(logits) > 1:
-        top = max(logits)
-        weights = [math.exp(x - top) for x in logits]
-        return weights[-1] / sum(weights)
-    if activation is not None and activation.rsplit(".", 1)[-1] == "Identity":
+    """A cross-encoder's score of one pair, as sentence-transformers' CrossEncoder.predict computes it: the
+    probability of its last label (a one-label model's sigmoid), or the logit itself with an Identity
+    activation."""
+    if len(logits) == 1 and activation is not None and activation.rsplit(".", 1)[-1] == "Identity":
         return logits[0]
-    return 1.0 / (1.0 + math.exp(-logits[0]))
+    return probabilities(logits)[-1]
 
 
-class ServingRerank(OpenAIServing):
+class ServingRerank(ServingEmbedding):
     """POST /v1/rerank, and vLLM's pair scoring on /v1/score (`ServingScore` hands it `text_1`/`text_2`)."""
 
     def check_pair_model(self, name: str | None) -> str:
@@ -113,15 +120,9 @@ class ServingRerank(OpenAIServing):
         response of a client that hung up."""
         if len(docs) > MAX_INPUTS:
             raise bad(f"{len(docs)} {param}; at most {MAX_INPUTS} per request", param)
-        limit = self.manager.context_length
-        if keep == -1:
-            keep = limit
-        if keep is not None and keep > limit:
-            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
-                      "truncate_prompt_tokens")
-        task = self.manager.model_info.get("task")
-        rid = f"score-{uuid.uuid4().hex}"
-        if task == "embed":
+        keep = self.truncation(keep)
+        if self.manager.model_info.get("task") == "embed":
+            limit = self.manager.context_length
             texts = list(dict.fromkeys([*queries, *docs]))
             tokenizer = self.manager.tokenizer
             prompts = []
@@ -132,25 +133,18 @@ class ServingRerank(OpenAIServing):
                 if error:
                     raise bad(error, param if text in docs else "query")
                 prompts.append(ids)
-            group = self.submit(prompts, SamplingParams(max_new_tokens=0), rid, False)
-            result = await self.run_or_stream(group, request, None)
-            if not isinstance(result, list):
-                return result
-            vectors = {text: decode_vector(acc.embedding) for text, acc in zip(texts, result, strict=True)
-                       if acc.embedding is not None}
+            pooled = await self.pooled(prompts, "score", request, "embedded", param)
+            if not isinstance(pooled, tuple):
+                return pooled
+            vectors = {text: decode_vector(v) for text, v in zip(texts, pooled[1], strict=True)}
             scores = [cosine(vectors[q], vectors[d]) for q, d in zip(queries, docs, strict=True)]
             return scores, sum(len(p) for p in prompts)
         ids, types = self.pairs(queries, docs, keep, param)
-        group = self.submit(ids, SamplingParams(max_new_tokens=0), rid, False, token_type_ids=types)
-        result = await self.run_or_stream(group, request, None)
-        if not isinstance(result, list):
-            return result
+        pooled = await self.pooled(ids, "score", request, "scored", param, token_type_ids=types)
+        if not isinstance(pooled, tuple):
+            return pooled
         activation = self.manager.model_info.get("activation")
-        scores = []
-        for index, acc in enumerate(result):
-            if acc.embedding is None:
-                raise bad(f"{param}.{index} was not scored", param)
-            scores.append(relevance(list(decode_vector(acc.embedding)), activation))
+        scores = [relevance(list(decode_vector(v)), activation) for v in pooled[1]]
         return scores, sum(len(x) for x in ids)
 
     async def rerank(self, req: RerankRequest, request: Request) -> Any:
@@ -196,41 +190,15 @@ class ServingRerank(OpenAIServing):
         softmax of its logits; the sigmoid of a one-label model's), and the most likely label by the model's
         config.id2label."""
         self.check_model(req.model, task="score")
-        texts = [req.input] if isinstance(req.input, str) else list(req.input)
-        if not texts:
-            raise bad("input must not be empty", "input")
-        if len(texts) > MAX_INPUTS:
-            raise bad(f"input has {len(texts)} items; at most {MAX_INPUTS} per request", "input")
-        limit = self.manager.context_length
-        keep = limit if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-        if keep is not None and keep > limit:
-            raise bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length ({limit} tokens)",
-                      "truncate_prompt_tokens")
-        kw: dict[str, Any] = {"truncation": True, "max_length": keep} if keep is not None else {}
-        prompts = []
-        for i, text in enumerate(texts):
-            ids = list(self.manager.tokenizer(text, **kw)["input_ids"])
-            error = input_length_error(len(ids), limit, f"input.{i}" if len(texts) > 1 else "input")
-            if error:
-                raise bad(error, f"input.{i}" if len(texts) > 1 else "input")
-            prompts.append(ids)
-        rid = f"classify-{uuid.uuid4().hex}"
-        group = self.submit(prompts, SamplingParams(max_new_tokens=0), rid, False)
-        result = await self.run_or_stream(group, request, None)
-        if not isinstance(result, list):
-            return result
+        prompts = self.inputs(req.input, req.truncate_prompt_tokens)
+        pooled = await self.pooled(prompts, "classify", request, "classified", "input")
+        if not isinstance(pooled, tuple):
+            return pooled
+        rid, vectors = pooled
         labels = self.manager.model_info.get("id2label") or {}
         data = []
-        for index, acc in enumerate(result):
-            if acc.embedding is None:
-                raise bad(f"input.{index} was not classified", "input")
-            logits = list(decode_vector(acc.embedding))
-            if len(logits) == 1:
-                probs = [1.0 / (1.0 + math.exp(-logits[0]))]
-            else:
-                top = max(logits)
-                weights = [math.exp(x - top) for x in logits]
-                probs = [w / sum(weights) for w in weights]
+        for index, vector in enumerate(vectors):
+            probs = probabilities(list(decode_vector(vector)))
             best = max(range(len(probs)), key=probs.__getitem__) if len(probs) > 1 else int(probs[0] > 0.5)
             data.append({"index": index, "label": labels.get(str(best), f"LABEL_{best}"), "probs": probs,
                          "num_classes": len(probs)})
