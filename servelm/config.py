@@ -136,6 +136,15 @@ class ServerArgs:
     quick_allreduce_min_bytes: int = _opt(1 << 20, "Smallest message that takes the quick all-reduce.")
     enable_tp_lm_head_all_to_all: bool = _opt(False, "Sample vocab-parallel logits after an all-to-all.")
     strict_memory_balance: bool = _opt(False, "Fail when ranks see unbalanced free memory.")
+    dp_size: int = _opt(1, "Data-parallel replicas: scheduler processes behind this one API process, each with "
+                        "its own KV pool and prefix cache and its own CPUs (x --tp-size processes each).",
+                        aliases=("--dp", "--data-parallel-size"))
+    dp_cpus: str | None = _opt(None, "Each replica's CPUs, ';' between replicas, e.g. \"0-15;16-31\" (default: "
+                               "the CPUs this process may use, split evenly).")
+    load_balance_method: str = _opt("cache_aware", "How a request picks its replica: cache_aware (the longest "
+                                    "prefix cached there, the least-loaded replica when none holds much or the "
+                                    "loads are imbalanced), round_robin, or shortest_queue.",
+                                    choices=["cache_aware", "round_robin", "shortest_queue"])
 
     def __post_init__(self) -> None:
         checks = [
@@ -153,6 +162,13 @@ class ServerArgs:
             (0 < self.mem_fraction_static < 1,
              f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
             (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),
+            (self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}"),
+            (self.dp_size == 1 or self.nnodes == 1,
+             f"--dp-size {self.dp_size} with --nnodes {self.nnodes} is not supported: run one server per node with "
+             "its own --dp-size, behind a router (docs/deploy.md)"),
+            (self.dp_size == 1 or self.prefix_cache_dir is None,
+             "--prefix-cache-dir needs --dp-size 1 (the replicas would write the same files)"),
+            (self.dp_cpus is None or self.dp_size > 1, "--dp-cpus needs --dp-size > 1"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
             (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),

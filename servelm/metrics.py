@@ -44,10 +44,12 @@ class ServerMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, dp_size: int = 1) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        # With data-parallel replicas every family but the API's own rejections has a dp_rank label too.
+        labels = ["model_name", "dp_rank"] if dp_size > 1 else ["model_name"]
         self.model_name = model_name
+        self.dp_size = dp_size
 
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
             return Histogram(f"{PREFIX}:{name}", doc, labels, buckets=buckets, registry=self.registry)
@@ -69,7 +71,8 @@ class ServerMetrics:
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
         self.requests = counter("num_requests", "Finished requests, by finish reason.", ("finish_reason",))
         self.aborted = counter("num_aborted_requests", "Requests aborted (client hang-up or /abort_request).")
-        self.rejected = counter("num_rejected_requests", "Requests refused with 429 (queue full).")
+        self.rejected = Counter(f"{PREFIX}:num_rejected_requests", "Requests refused with 429 (queue full).",
+                                ["model_name"], registry=self.registry)
         self.running = gauge("num_requests_running", "Requests in the scheduler's running batch.")
         self.queued = gauge("num_requests_waiting", "Requests waiting in the scheduler's queue.")
         self.kv_used_tokens = gauge("kv_used_tokens", "KV cache tokens held by running requests.")
@@ -121,42 +124,46 @@ class ServerMetrics:
         self._spec_seen: dict[str, int] = {}
         self._cache_config_registered = False
 
-    # The label is fixed per server; binding it once keeps call sites short.
-    def observe_first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name).observe(seconds)
+    def _labels(self, dp_rank: int = 0) -> tuple[str, ...]:
+        """The label values of a family's child: the model, and the replica under --dp-size."""
+        return (self.model_name, str(dp_rank)) if self.dp_size > 1 else (self.model_name,)
 
-    def observe_inter_token(self, seconds: float, num_tokens: int) -> None:
+    def observe_first_token(self, seconds: float, dp_rank: int = 0) -> None:
+        self.ttft.labels(*self._labels(dp_rank)).observe(seconds)
+
+    def observe_inter_token(self, seconds: float, num_tokens: int, dp_rank: int = 0) -> None:
         """A step that produced `num_tokens` tokens after `seconds`: one ITL sample per token."""
         per_token = seconds / max(num_tokens, 1)
-        child = self.itl.labels(self.model_name)
+        child = self.itl.labels(*self._labels(dp_rank))
         for _ in range(max(num_tokens, 1)):
             child.observe(per_token)
 
-    def observe_generated(self, num_tokens: int) -> None:
+    def observe_generated(self, num_tokens: int, dp_rank: int = 0) -> None:
         if num_tokens:
-            self.generation_tokens.labels(self.model_name).inc(num_tokens)
+            self.generation_tokens.labels(*self._labels(dp_rank)).inc(num_tokens)
 
     def observe_finished(self, finish_type: str, e2e_seconds: float, prompt_tokens: int,
-                         cached_tokens: int, completion_tokens: int = 0, max_tokens: int | None = None) -> None:
-        m = self.model_name
-        self.e2e.labels(m).observe(e2e_seconds)
-        self.prompt_tokens.labels(m).inc(prompt_tokens)
-        self.cached_tokens.labels(m).inc(cached_tokens)
-        self.requests.labels(m, finish_type).inc()
+                         cached_tokens: int, completion_tokens: int = 0, max_tokens: int | None = None,
+                         dp_rank: int = 0) -> None:
+        m = self._labels(dp_rank)
+        self.e2e.labels(*m).observe(e2e_seconds)
+        self.prompt_tokens.labels(*m).inc(prompt_tokens)
+        self.cached_tokens.labels(*m).inc(cached_tokens)
+        self.requests.labels(*m, finish_type).inc()
         if finish_type == "abort":
-            self.aborted.labels(m).inc()
-        self.request_success.labels(m, finish_type).inc()
-        self.request_prompt_tokens.labels(m).observe(prompt_tokens)
-        self.request_generation_tokens.labels(m).observe(completion_tokens)
+            self.aborted.labels(*m).inc()
+        self.request_success.labels(*m, finish_type).inc()
+        self.request_prompt_tokens.labels(*m).observe(prompt_tokens)
+        self.request_generation_tokens.labels(*m).observe(completion_tokens)
         if max_tokens is not None:
-            self.request_params_max_tokens.labels(m).observe(max_tokens)
+            self.request_params_max_tokens.labels(*m).observe(max_tokens)
         for queries, hits in zip(self.prefix_queries, self.prefix_hits, strict=True):
-            queries.labels(m).inc(prompt_tokens)
-            hits.labels(m).inc(cached_tokens)
+            queries.labels(*m).inc(prompt_tokens)
+            hits.labels(*m).inc(cached_tokens)
 
-    def observe_request_n(self, n: int) -> None:
+    def observe_request_n(self, n: int, dp_rank: int = 0) -> None:
         """An API request's n (its choices), once all of them finished."""
-        self.request_params_n.labels(self.model_name).observe(n)
+        self.request_params_n.labels(*self._labels(dp_rank)).observe(n)
 
     def set_cache_config(self, labels: dict[str, Any]) -> None:
         """vLLM's cache_config_info: one sample of value 1 whose labels are the KV cache's configuration."""
@@ -168,56 +175,71 @@ class ServerMetrics:
         info.labels(*(str(labels[k]) for k in names)).set(1)
         self._cache_config_registered = True
 
-    def observe_request_times(self, timings: dict[str, float] | None, completion_tokens: int) -> None:
+    def observe_request_times(self, timings: dict[str, float] | None, completion_tokens: int,
+                              dp_rank: int = 0) -> None:
         """A finished request's phases as the scheduler measured them (`TokenOut.timings`)."""
         if not timings:
             return
-        m = self.model_name
+        m = self._labels(dp_rank)
         for hist, key in ((self.queue_time, "queue"), (self.prefill_time, "prefill"), (self.decode_time, "decode")):
             if key in timings:
-                hist.labels(m).observe(timings[key])
+                hist.labels(*m).observe(timings[key])
         if "prefill" in timings:
-            self.inference_time.labels(m).observe(timings["prefill"] + timings.get("decode", 0.0))
+            self.inference_time.labels(*m).observe(timings["prefill"] + timings.get("decode", 0.0))
         if "decode" in timings and completion_tokens > 1:
-            self.tpot.labels(m).observe(timings["decode"] / (completion_tokens - 1))
+            self.tpot.labels(*m).observe(timings["decode"] / (completion_tokens - 1))
 
-    def observe_steps(self, step_tokens: list[int], preemptions: int) -> None:
+    def observe_steps(self, step_tokens: list[int], preemptions: int, dp_rank: int = 0) -> None:
         """Scheduler steps (tokens each ran) and retractions since its last message."""
-        child = self.iteration_tokens.labels(self.model_name)
+        child = self.iteration_tokens.labels(*self._labels(dp_rank))
         for tokens in step_tokens:
             child.observe(tokens)
         if preemptions > 0:
-            self.preemptions.labels(self.model_name).inc(preemptions)
+            self.preemptions.labels(*self._labels(dp_rank)).inc(preemptions)
 
-    def observe_aborted(self) -> None:
+    def observe_aborted(self, dp_rank: int = 0) -> None:
         """A request the API aborted itself (client hang-up), whose final output it no longer waits for."""
-        self.requests.labels(self.model_name, "abort").inc()
-        self.aborted.labels(self.model_name).inc()
-        self.request_success.labels(self.model_name, "abort").inc()
+        self.requests.labels(*self._labels(dp_rank), "abort").inc()
+        self.aborted.labels(*self._labels(dp_rank)).inc()
+        self.request_success.labels(*self._labels(dp_rank), "abort").inc()
 
     def observe_rejected(self) -> None:
         self.rejected.labels(self.model_name).inc()
 
-    def update_scheduler_state(self, info: dict[str, Any]) -> None:
+    def update_scheduler_state(self, info: dict[str, Any], dp_rank: int = 0) -> None:
         """Set the gauges from the scheduler's `server_info()` dict (missing keys are skipped)."""
-        m = self.model_name
+        m = self._labels(dp_rank)
         pairs = [(self.running, "num_running"), (self.queued, "num_waiting"),
                  (self.kv_used_tokens, "kv_in_use_tokens"), (self.kv_cached_tokens, "kv_cached_tokens"),
                  (self.kv_total_tokens, "kv_total_tokens"), (self.cache_hit_rate, "cache_hit_rate")]
         for gauge, key in pairs:
             value = info.get(key)
             if isinstance(value, (int, float)):
-                gauge.labels(m).set(value)
+                gauge.labels(*m).set(value)
         for counter, key in self.spec_counters:  # counters: add what the totals grew by since the last call
-            self._inc_to(counter.labels(m), key, info.get(key))
+            self._inc_to(counter.labels(*m), f"{key}@{dp_rank}", info.get(key))
         for pos, value in enumerate(info.get("spec_decode_num_accepted_tokens_per_pos") or []):
-            self._inc_to(self.spec_per_pos.labels(m, str(pos)), f"per_pos_{pos}", value)
+            self._inc_to(self.spec_per_pos.labels(*m, str(pos)), f"per_pos_{pos}@{dp_rank}", value)
         total, in_use = info.get("kv_total_tokens"), info.get("kv_in_use_tokens")
         if isinstance(total, (int, float)) and total > 0 and isinstance(in_use, (int, float)):
             # Prefix-cached tokens are evictable, so only tokens held by requests count as used.
-            self.kv_usage.labels(m).set(in_use / total)
-            self.kv_usage_perc.labels(m).set(in_use / total)
-            self.gpu_cache_usage.labels(m).set(in_use / total)
+            self.kv_usage.labels(*m).set(in_use / total)
+            self.kv_usage_perc.labels(*m).set(in_use / total)
+            self.gpu_cache_usage.labels(*m).set(in_use / total)
+
+    def update_from_server_info(self, info: dict[str, Any]) -> None:
+        """The gauges from /server_info's dict: one replica's, or under --dp-size each replica's own."""
+        replicas = info.get("replicas")
+        if self.dp_size > 1 and isinstance(replicas, list):
+            for rep in replicas:
+                if isinstance(rep, dict) and rep.get("alive"):
+                    self.update_scheduler_state(rep, int(rep.get("dp_rank", 0)))
+        else:
+            self.update_scheduler_state(info)
+
+    def forget_replica(self, dp_rank: int) -> None:
+        """A replica restarted: its running totals start from zero again."""
+        self._spec_seen = {k: v for k, v in self._spec_seen.items() if not k.endswith(f"@{dp_rank}")}
 
     def _inc_to(self, child: Any, key: str, total: Any) -> None:
         if isinstance(total, int) and total > self._spec_seen.get(key, 0):

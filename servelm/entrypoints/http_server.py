@@ -254,5 +254,5 @@ def _operations_routes(app: FastAPI, state: ServerState, native: ServingNative) 
     async def metrics() -> Response:
         if state.ready and not state.shutting_down:
             with contextlib.suppress(SchedulerUnavailableError):
-                state.metrics.update_scheduler_state(await manager.server_info(timeout=5))
+                state.metrics.update_from_server_info(await manager.server_info(timeout=5))
         return Response(state.metrics.render(), media_type=state.metrics.content_type)

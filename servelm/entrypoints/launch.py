@@ -6,6 +6,10 @@ model runs in one scheduler process (`run_scheduler_process`, multiprocessing "s
 sockets in a private temp dir. The HTTP port opens at once: `/health` answers 503 until the scheduler has
 loaded the model, then 200.
 
+With `--dp-size N` there are N scheduler processes (replicas), each on its own CPUs with its own ipc socket; the
+API process dispatches each prompt (`servelm.managers.dp_dispatch`). A replica that dies has its requests ended
+with an error and is restarted once; the others keep serving.
+
 Testing hook: `SERVELM_SCHEDULER_FACTORY=module:attr` in the environment runs `attr(server_args)` instead of
 `engine_core.build_scheduler` in the scheduler process (see `servelm.managers.scheduler_process`).
 """
@@ -55,15 +59,16 @@ def scheduler_lifespan(state: ServerState) -> Callable[[FastAPI], contextlib.Abs
             startup.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await startup
-            _stop_scheduler(state.proc)
+            for replica in state.replicas or [None]:
+                _stop_scheduler(replica.proc if replica is not None else state.proc)
             state.manager.close()
 
     return lifespan
 
 
-def _wait_ready(state: ServerState) -> dict[str, Any]:
-    """Block until the scheduler reports on its pipe (or dies, or we stop)."""
-    reader, proc = state.ready_reader, state.proc
+def _wait_ready(state: ServerState, replica: Replica | None = None) -> dict[str, Any]:
+    """Block until the scheduler (or one replica) reports on its pipe (or dies, or we stop)."""
+    reader, proc = (state.ready_reader, state.proc) if replica is None else (replica.reader, replica.proc)
     assert reader is not None and proc is not None
     while not state.stop_event.is_set():
         if reader.poll(0.2):
@@ -111,7 +116,13 @@ async def _startup(state: ServerState) -> None:
         # When the scheduler fails first, nobody awaits the tokenizer: mark its error as seen, or asyncio
         # prints it with a traceback ("exception was never retrieved") when the task is collected.
         tokenizer_task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        msg = await asyncio.to_thread(_wait_ready, state)
+        if state.replicas:
+            msgs = await asyncio.gather(*(asyncio.to_thread(_wait_ready, state, r) for r in state.replicas))
+            failed = next(((r, m) for r, m in zip(state.replicas, msgs, strict=True) if m.get("status") != "ready"),
+                          None)
+            msg = msgs[0] if failed is None else {"status": "error", "message": failed[1].get("message")}
+        else:
+            msg = await asyncio.to_thread(_wait_ready, state)
         if state.stop_event.is_set():
             return
         if msg.get("status") != "ready":
@@ -144,6 +155,12 @@ async def _startup(state: ServerState) -> None:
                         info.get("architecture", "?"),
                         info.get("dtype", "?"), info.get("kv_capacity_tokens", "?"),
                         info.get("max_context_length", "?"), args.host, args.port)
+        if state.replicas:
+            logger.info("%d data-parallel replicas serve (%s dispatch): %s", len(state.replicas),
+                        args.load_balance_method, "; ".join(f"replica {r.rank} on CPUs {r.cpu_text}"
+                                                             for r in state.replicas))
+            await _watch_replicas(state)
+            return
         while True:
             await asyncio.sleep(0.5)
             proc = state.proc
@@ -156,6 +173,78 @@ async def _startup(state: ServerState) -> None:
     except Exception as exc:  # never leave the server half-started
         logger.exception("startup failed")
         state.fail(f"Startup failed: {type(exc).__name__}: {exc}")
+
+
+class Replica:
+    """One data-parallel replica: its scheduler process, start-up pipe, CPUs and restarts."""
+
+    def __init__(self, rank: int, addr: str, cpus: list[int]) -> None:
+        from servelm.managers.dp_dispatch import format_cpu_list
+
+        self.rank = rank
+        self.addr = addr
+        self.cpus = cpus
+        self.cpu_text = format_cpu_list(cpus)
+        self.proc: Any = None
+        self.reader: Any = None
+        self.restarts = 0
+
+    def start(self, args: ServerArgs, from_scheduler: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        self.reader = reader
+        self.proc = ctx.Process(target=run_scheduler_process, name=f"servelm-scheduler-dp{self.rank}", daemon=False,
+                                args=(args, self.addr, from_scheduler, writer, os.getpid(), self.rank, self.cpus))
+        self.proc.start()
+        writer.close()
+
+
+REPLICA_RESTARTS = 1  # a replica that died is restarted this many times, then left down
+
+
+async def _watch_replicas(state: ServerState) -> None:
+    """Watch the replicas: a dead one has its requests ended with an error and is restarted once (the others
+    serve meanwhile); the server stops only when none is left."""
+    manager = state.manager
+    restarting: dict[int, asyncio.Task] = {}
+    while True:
+        await asyncio.sleep(0.5)
+        if state.shutting_down:
+            return
+        for replica in state.replicas:
+            if replica.rank in restarting or not manager.dispatcher.alive[replica.rank] or replica.proc.is_alive():
+                continue
+            code = replica.proc.exitcode
+            lost = manager.replica_down(replica.rank, f"data-parallel replica {replica.rank} died (exit code {code}) "
+                                                      "while running this request")
+            if replica.restarts < REPLICA_RESTARTS:
+                logger.error("Data-parallel replica %d died (exit code %s); %d request(s) on it ended with an error. "
+                             "Restarting it; the other replicas keep serving", replica.rank, code, lost)
+                replica.restarts += 1
+                restarting[replica.rank] = asyncio.ensure_future(_restart(state, replica))
+            else:
+                logger.error("Data-parallel replica %d died again (exit code %s); %d request(s) on it ended with an "
+                             "error. It is not restarted again; %d replica(s) keep serving", replica.rank, code, lost,
+                             len(manager.dispatcher.live()))
+        for rank, task in list(restarting.items()):
+            if task.done():
+                del restarting[rank]
+        if not manager.dispatcher.live() and not restarting:
+            state.fail("Every data-parallel replica has died; stopping")
+            return
+
+
+async def _restart(state: ServerState, replica: Replica) -> None:
+    replica.reader.close()
+    replica.start(state.server_args, state.from_scheduler)
+    msg = await asyncio.to_thread(_wait_ready, state, replica)
+    if state.stop_event.is_set():
+        return
+    if msg.get("status") != "ready":
+        logger.error("Data-parallel replica %d did not restart: %s", replica.rank, msg.get("message"))
+        return
+    state.manager.replica_up(replica.rank)
+    logger.info("Data-parallel replica %d restarted on CPUs %s and serves again", replica.rank, replica.cpu_text)
 
 
 def _stop_scheduler(proc: Any) -> None:
@@ -184,7 +273,12 @@ async def _drain(state: ServerState, stop_signal: int | None) -> None:
     manager = state.manager
     grace = 0.0 if stop_signal == signal.SIGINT else state.server_args.shutdown_timeout
     deadline = time.monotonic() + grace
-    while manager.num_in_flight and time.monotonic() < deadline and state.proc is not None and state.proc.is_alive():
+    def alive() -> bool:
+        if state.replicas:
+            return any(r.proc is not None and r.proc.is_alive() for r in state.replicas)
+        return state.proc is not None and state.proc.is_alive()
+
+    while manager.num_in_flight and time.monotonic() < deadline and alive():
         await asyncio.sleep(0.05)
     if manager.num_in_flight:
         logger.warning("Shutting down: ending %d running request(s) with an error%s", manager.num_in_flight,
@@ -208,25 +302,42 @@ def launch_server(server_args: ServerArgs) -> None:
         if code:
             raise ServerError(f"a TP rank on node {server_args.node_rank} exited with code {code}")
         return
+    dp = server_args.dp_size
+    cpu_sets: list[list[int]] = []
+    if dp > 1:
+        from servelm.managers.dp_dispatch import replica_cpu_sets
+
+        try:
+            cpu_sets = replica_cpu_sets(dp, server_args.dp_cpus, sorted(os.sched_getaffinity(0)))
+        except ValueError as exc:
+            raise ServerError(str(exc)) from None
     # The port first, before the model loads: a port in use is one line at once, not after the load.
     sock = listen_socket(server_args.host, server_args.port)
     tmpdir = tempfile.mkdtemp(prefix="servelm-")
-    to_scheduler = f"ipc://{os.path.join(tmpdir, 'to_scheduler')}"
+    to_scheduler = [f"ipc://{os.path.join(tmpdir, f'to_scheduler{r}')}" for r in range(dp)]
     from_scheduler = f"ipc://{os.path.join(tmpdir, 'from_scheduler')}"
     model_name = served_model_name(server_args)
-    metrics = ServerMetrics(model_name)
-    manager = TokenizerManager(server_args, to_scheduler, from_scheduler, metrics)
+    metrics = ServerMetrics(model_name, dp_size=dp)
+    manager = TokenizerManager(server_args, to_scheduler if dp > 1 else to_scheduler[0], from_scheduler, metrics)
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
+    replicas = [Replica(r, to_scheduler[r], cpu_sets[r]) for r in range(dp)] if dp > 1 else []
     # Not a daemon: under TP the scheduler process starts the other ranks. It still dies with
     # this process (die_with_parent) and is stopped on every way out below.
-    proc = ctx.Process(target=run_scheduler_process, name="servelm-scheduler", daemon=False,
-                       args=(server_args, to_scheduler, from_scheduler, writer, os.getpid()))
+    proc = None if replicas else ctx.Process(target=run_scheduler_process, name="servelm-scheduler", daemon=False,
+                                             args=(server_args, to_scheduler[0], from_scheduler, writer, os.getpid()))
     state = ServerState(server_args=server_args, model_name=model_name, manager=manager, metrics=metrics,
-                        proc=proc, ready_reader=reader)
+                        proc=proc, ready_reader=reader, replicas=replicas, from_scheduler=from_scheduler)
     try:
-        logger.info("Loading model %s in the scheduler process", server_args.model_path or "(default model)")
-        proc.start()
+        if replicas:
+            logger.info("Loading model %s in %d data-parallel replicas", server_args.model_path or "(default model)",
+                        dp)
+            for replica in replicas:
+                replica.start(server_args, from_scheduler)
+            state.proc = replicas[0].proc
+        else:
+            logger.info("Loading model %s in the scheduler process", server_args.model_path or "(default model)")
+            proc.start()
         writer.close()
         app = build_app(state, lifespan=scheduler_lifespan(state))
         config = uvicorn.Config(app, host=server_args.host, port=server_args.port,
@@ -243,6 +354,9 @@ def launch_server(server_args: ServerArgs) -> None:
     finally:
         state.shutting_down = True
         state.stop_event.set()
+        for replica in replicas:
+            _stop_scheduler(replica.proc)
+            replica.reader.close()
         _stop_scheduler(proc)
         with contextlib.suppress(Exception):
             manager.close()

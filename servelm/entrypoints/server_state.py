@@ -24,8 +24,10 @@ class ServerState(ServerLifecycle):
     manager: TokenizerManager
     metrics: ServerMetrics
     started_at: float = field(default_factory=time.monotonic)
-    proc: Any = None  # the scheduler process
+    proc: Any = None  # the scheduler process (under --dp-size, replica 0's)
     ready_reader: Connection | None = None
+    replicas: list[Any] = field(default_factory=list)  # launch.Replica under --dp-size, else empty
+    from_scheduler: str = ""  # the address every scheduler process sends its outputs to
     stop_event: threading.Event = field(default_factory=threading.Event)
 
     @property

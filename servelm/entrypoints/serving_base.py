@@ -24,6 +24,7 @@ from servelm.managers.tokenizer_manager import (
     DuplicateRequestIdError,
     QueueFullError,
     RequestGroup,
+    SchedulerUnavailableError,
 )
 from servelm.sampling_params import (
     SamplingParams,
@@ -317,6 +318,8 @@ class OpenAIServing:
             raise bad(str(exc), "rid") from None
         except CapacityError as exc:
             raise bad(str(exc), "n") from None
+        except SchedulerUnavailableError as exc:
+            raise ApiError(503, str(exc), type="service_unavailable") from None
 
     async def run_or_stream(self, group: RequestGroup, request: Request, stream_gen: Any) -> Any:
         if stream_gen is not None:

@@ -189,7 +189,7 @@ class ServingNative(OpenAIServing):
         try:
             group = self.manager.submit([ids], params, f"health-{uuid.uuid4().hex}", False)
             accs = await asyncio.wait_for(collect(group, request), timeout=30)
-        except (QueueFullError, asyncio.TimeoutError, ClientGone) as exc:
+        except (QueueFullError, SchedulerUnavailableError, asyncio.TimeoutError, ClientGone) as exc:
             return error_response(503, f"generation health check failed: {type(exc).__name__}: {exc}",
                                   type="service_unavailable")
         if not (accs[0].embedding if embeds else accs[0].token_ids):

@@ -44,6 +44,7 @@ class FlushCacheReq:
 class FlushCacheOut:
     success: bool
     message: str = ""
+    dp_rank: int = 0  # the replica that answers (--dp-size)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ServerInfoReq:
 @dataclass
 class ServerInfoOut:
     info: dict[str, Any]
+    dp_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,10 @@ class BatchTokenOut:
     # and how many requests it retracted (preemptions).
     iteration_tokens: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # With data-parallel replicas: which one sent this, and what its prefix cache gained and lost since its
+    # last message (RadixCache.events), for the API process's mirror of it.
+    dp_rank: int = 0
+    cache_events: list[list[Any]] = field(default_factory=list)
 
 
 _TYPES = {cls.__name__: cls for cls in (GenerateReq, AbortReq, FlushCacheReq, FlushCacheOut, ServerInfoReq,

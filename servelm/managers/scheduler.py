@@ -645,6 +645,8 @@ class Scheduler:
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
             "cache_hit_rate": self.cache.hit_rate,
+            "cache_hit_tokens": self.cache.total_matched_tokens,
+            "cache_query_tokens": self.cache.total_queried_tokens,
             **{f"{k}_total": v for k, v in self.stats.items()},
             **(self.spec.info() if self.spec is not None else {}),
         }

@@ -78,8 +78,16 @@ class SchedulerLoop:
     """Dispatches API messages to a scheduler and sends its outputs back."""
 
     def __init__(self, scheduler: Any, recv: zmq.Socket, send: zmq.Socket,
-                 stats_interval_s: float = STATS_INTERVAL_S, governor: ThreadGovernor | None = None) -> None:
+                 stats_interval_s: float = STATS_INTERVAL_S, governor: ThreadGovernor | None = None,
+                 dp_rank: int | None = None) -> None:
         self.scheduler = scheduler
+        # A data-parallel replica tags its answers and publishes its prefix cache's events (the API process
+        # dispatches on a mirror of it); a lone scheduler does neither.
+        self.dp_rank = dp_rank or 0
+        cache = getattr(scheduler, "cache", None)
+        self._cache = cache if dp_rank is not None and hasattr(cache, "events") else None
+        if self._cache is not None:
+            self._cache.events = []
         self.governor = governor  # fewer model threads while other processes want the CPUs
         self.recv = recv
         self.send = send
@@ -134,16 +142,19 @@ class SchedulerLoop:
         elif isinstance(msg, FlushCacheReq):
             try:
                 ok = bool(sched.flush_cache())
-                out = FlushCacheOut(ok, "" if ok else "cannot flush the cache while requests are running")
+                out = FlushCacheOut(ok, "" if ok else "cannot flush the cache while requests are running",
+                                    dp_rank=self.dp_rank)
             except Exception as exc:
-                out = FlushCacheOut(False, str(exc))
+                out = FlushCacheOut(False, str(exc), dp_rank=self.dp_rank)
+            if self._cache is not None and self._cache.events:
+                self._send_outputs([])  # the "emptied" event goes before the answer
             self.send.send(encode(out))
         elif isinstance(msg, ServerInfoReq):
             try:
                 info = dict(sched.server_info())
             except Exception as exc:
                 info = {"error": str(exc)}
-            self.send.send(encode(ServerInfoOut(info)))
+            self.send.send(encode(ServerInfoOut(info, dp_rank=self.dp_rank)))
         else:
             logger.warning("ignoring unexpected message %s", type(msg).__name__)
 
@@ -168,6 +179,8 @@ class SchedulerLoop:
         if self.scheduler.has_work():
             outputs = self.scheduler.step()
             self._send_outputs(list(outputs or []))
+        elif self._cache is not None and self._cache.events:  # e.g. an abort gave its pages to the tree
+            self._send_outputs([])
         self.log_stats()
         if self.governor is not None:
             self.governor.tick()
@@ -181,9 +194,13 @@ class SchedulerLoop:
         preemptions = int(stats.get("retractions", 0)) - self._preemptions_sent if isinstance(stats, dict) else 0
         now = time.monotonic()
         due = len(self._step_tokens) >= STEP_STATS_MAX_STEPS or now - self._steps_sent_at >= STEP_STATS_MAX_AGE_S
-        if not outputs and not (due and (self._step_tokens or preemptions)):
+        events = self._cache.events if self._cache is not None else None
+        if not outputs and not events and not (due and (self._step_tokens or preemptions)):
             return
-        self.send.send(encode(BatchTokenOut(outputs, iteration_tokens=self._step_tokens, num_preemptions=preemptions)))
+        if events:
+            self._cache.events = []
+        self.send.send(encode(BatchTokenOut(outputs, iteration_tokens=self._step_tokens, num_preemptions=preemptions,
+                                            dp_rank=self.dp_rank, cache_events=events or [])))
         self._step_tokens, self._steps_sent_at = [], now
         self._preemptions_sent += preemptions
 
@@ -197,13 +214,17 @@ class SchedulerLoop:
 
 
 def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: str, ready_writer: Connection,
-                          parent_pid: int | None = None) -> None:
+                          parent_pid: int | None = None, dp_rank: int | None = None,
+                          cpus: list[int] | None = None) -> None:
     """Entry point of the scheduler process (a multiprocessing 'spawn' target).
 
     Loads the model, then sends `{"status": "ready", "model_info": {...}}` on
     `ready_writer` (or `{"status": "error", "message": ...}` and exits 1), then
     serves requests from `recv_addr` (PULL) and sends outputs to `send_addr`
     (PUSH) until it is terminated or its parent dies.
+
+    A data-parallel replica (`dp_rank` given) runs on its own `cpus` (its TP ranks inherit them), with
+    as many threads as they allow unless the user chose a count.
     """
     die_with_parent(parent_pid if parent_pid is not None else os.getppid())
     # Ctrl-C reaches the whole process group; the API process decides when we stop.
@@ -211,8 +232,17 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     # While loading there is nothing to save; once serving, SIGTERM only asks the loop to stop
     # (raising from a signal handler could land in a destructor, where it would be swallowed).
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    tag = f"[DP{dp_rank}] " if dp_rank is not None else ""
     logging.basicConfig(level=server_args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s {tag}%(name)s: %(message)s")
+    if cpus:
+        from servelm.cpu_threads import configure_cpu_threads
+        from servelm.managers.dp_dispatch import format_cpu_list
+
+        os.sched_setaffinity(0, cpus)
+        threads = configure_cpu_threads(server_args.num_threads, processes=server_args.tp_ranks_per_node)
+        logger.info("Data-parallel replica %s on CPUs %s, %d thread(s) a TP rank", dp_rank, format_cpu_list(cpus),
+                    threads.num_threads)
     try:
         scheduler = _load_factory()(server_args)
         model_info = dict(scheduler.model_info())
@@ -232,7 +262,7 @@ def run_scheduler_process(server_args: ServerArgs, recv_addr: str, send_addr: st
     send.connect(send_addr)
     loop = SchedulerLoop(scheduler, recv, send, governor=ThreadGovernor.for_process(
         server_args.num_threads, processes=server_args.tp_ranks_per_node,
-        deterministic=server_args.enable_deterministic_inference))
+        deterministic=server_args.enable_deterministic_inference), dp_rank=dp_rank)
     signal.signal(signal.SIGTERM, lambda *_: loop.request_stop())
     ready_writer.send({"status": "ready", "model_info": model_info})
     ready_writer.close()

@@ -19,6 +19,7 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from servelm.mem_cache.allocator import PageAllocator, pages_of
 
@@ -142,6 +143,10 @@ class RadixCache(BasePrefixCache):
         # NOTE: the root outlives `reset`, so requests that matched nothing may keep holding it.
         self.root = TreeNode(None, (), [], 0)
         self.root.lock_ref = 1  # the root holds no pages and is never evicted
+        # With data-parallel replicas, what the tree gains and loses, for the API process's mirror of it
+        # (servelm.managers.dp_dispatch): ["+", tokens] stored, ["-", tokens, keep] evicted past `keep`,
+        # ["0"] emptied. None (the default): nothing is recorded.
+        self.events: list[list[Any]] | None = None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -273,6 +278,8 @@ class RadixCache(BasePrefixCache):
                 raise ValueError(f"insert: slots {value[i:i + P]} do not form one whole page")
         leaf = TreeNode(node, tokens[pos:], value, node.last_access)
         node.children[leaf.key[:P]] = leaf
+        if self.events is not None:
+            self.events.append(["+", list(tokens)])
         self._leaves.discard(node)
         self._leaves.add(leaf)
         self._evictable += len(value) // P
@@ -350,8 +357,11 @@ class RadixCache(BasePrefixCache):
             _, _, leaf = heapq.heappop(heap)
             n = len(leaf.key) // P
             need = num_pages - freed
+            keep = (n - need) * P if n > need else 0  # the tail is the least shareable part of a leaf
+            if self.events is not None:
+                path = self._path(leaf)
+                self.events.append(["-", path, len(path) - len(leaf.key) + keep])
             if n > need:
-                keep = (n - need) * P  # the tail is the least shareable part of a leaf
                 self.allocator.free(pages_of(leaf.value[keep:], P))
                 leaf.key, leaf.value = leaf.key[:keep], leaf.value[:keep]
                 self._evictable -= need
@@ -372,7 +382,17 @@ class RadixCache(BasePrefixCache):
             return False
         self.allocator.free([p for node in self.iter_nodes() for p in pages_of(node.value, self.page_size)])
         self._init_tree()
+        if self.events is not None:
+            self.events.append(["0"])
         return True
+
+    def _path(self, node: TreeNode) -> list[int]:
+        """The tokens from the root down to the end of `node`."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = self._parent(node)
+        return [t for key in reversed(keys) for t in key]
 
     def iter_nodes(self) -> Iterator[TreeNode]:
         """All non-root nodes, parents before children."""
