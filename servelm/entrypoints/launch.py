@@ -59,8 +59,7 @@ def scheduler_lifespan(state: ServerState) -> Callable[[FastAPI], contextlib.Abs
             startup.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await startup
-            for replica in state.replicas or [None]:
-                _stop_scheduler(replica.proc if replica is not None else state.proc)
+            _stop_scheduler(*([r.proc for r in state.replicas] if state.replicas else [state.proc]))
             state.manager.close()
 
     return lifespan
@@ -247,20 +246,27 @@ async def _restart(state: ServerState, replica: Replica) -> None:
     logger.info("Data-parallel replica %d restarted on CPUs %s and serves again", replica.rank, replica.cpu_text)
 
 
-def _stop_scheduler(proc: Any) -> None:
-    if proc is None or not proc.is_alive():
+def _stop_scheduler(*procs: Any) -> None:
+    """Stop the scheduler process (or every replica's, all at once), then the resource tracker."""
+    alive = [p for p in procs if p is not None and p.is_alive()]
+    if not alive:
         return
-    logger.info("Stopping the scheduler process")
-    proc.terminate()
-    proc.join(SCHEDULER_STOP_TIMEOUT_S)
-    if proc.is_alive():
-        logger.warning("The scheduler process did not stop within %.0fs; killing it", SCHEDULER_STOP_TIMEOUT_S)
-        proc.kill()
-        proc.join(SCHEDULER_STOP_TIMEOUT_S)
-    logger.info("Scheduler process stopped (exit code %s)", proc.exitcode)
+    names = "the scheduler process" if len(procs) == 1 else f"{len(alive)} data-parallel replica(s)"
+    logger.info("Stopping %s", names)
+    for proc in alive:
+        proc.terminate()
+    deadline = time.monotonic() + SCHEDULER_STOP_TIMEOUT_S
+    for proc in alive:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            logger.warning("%s did not stop within %.0fs; killing it", proc.name, SCHEDULER_STOP_TIMEOUT_S)
+            proc.kill()
+            proc.join(SCHEDULER_STOP_TIMEOUT_S)
+    logger.info("Stopped %s (exit code(s) %s)", names, ", ".join(str(p.exitcode) for p in alive))
     # NOTE: starting a 'spawn' process also started multiprocessing's resource tracker, a child
     # that ignores SIGTERM (so a process reaper would wait for it, then SIGKILL it). Stop it
     # now; it restarts by itself if anything needs it again. `_stop` is private, hence getattr.
+    # It waits for every process that shares it to let go, hence after all of them.
     tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
     with contextlib.suppress(Exception):
         getattr(tracker, "_stop", lambda: None)()
@@ -354,10 +360,9 @@ def launch_server(server_args: ServerArgs) -> None:
     finally:
         state.shutting_down = True
         state.stop_event.set()
+        _stop_scheduler(*([r.proc for r in replicas] if replicas else [proc]))
         for replica in replicas:
-            _stop_scheduler(replica.proc)
             replica.reader.close()
-        _stop_scheduler(proc)
         with contextlib.suppress(Exception):
             manager.close()
         reader.close()

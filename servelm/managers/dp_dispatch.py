@@ -11,8 +11,8 @@ The policy is SGLang's cache-aware one (sgl-router's defaults as starting points
   least-loaded replica;
 * else the replica holding the longest prefix of the prompt, when that prefix is at least 30% of it;
 * else the least-loaded replica.
-Ties go to the less loaded replica, then the one caching less, then the lower rank. `round_robin` and `shortest_queue` are there for
-comparison (`--load-balance-method`).
+Ties go to the less loaded replica, then the one caching less, then the lower rank. `round_robin` and
+`shortest_queue` are there for comparison (`--load-balance-method`).
 """
 
 from __future__ import annotations
@@ -128,28 +128,27 @@ class PrefixMirror:
             stack.extend(n.children.values())
 
     def remove(self, tokens: Sequence[int], keep: int) -> None:
-        """The replica evicted tokens[keep:] (the tail of one of its leaves): drop what the tree holds past
-        `keep` tokens along that path."""
+        """The replica evicted tokens[keep:], the tail of one of its leaves: drop what only that tail holds.
+        A node of the tail that other sequences still pass through stays (in a token trie, sibling pages that
+        begin with the same tokens share a node)."""
         seq = tuple(tokens)
+        path: list[tuple[_Node, int]] = []  # the nodes along seq, each with the depth it starts at
         node, pos = self.root, 0
         while pos < len(seq):
             child = node.children.get(seq[pos])
-            if child is None:
+            if child is None or _common(child.key, seq, pos) < len(child.key):
+                return  # not held as a whole path: nothing to do (or the mirror is behind; it heals on insert)
+            path.append((child, pos))
+            node, pos = child, pos + len(child.key)
+        for node, start in reversed(path):
+            if node.children or start + len(node.key) <= keep:
                 return
-            k = _common(child.key, seq, pos)
-            if pos + len(child.key) > keep:  # the cut falls in this node
-                at = keep - pos
-                if at <= 0:
-                    self._drop(child)
-                elif k >= at:  # else the path leaves the tree before the cut: nothing past it is here
-                    for grandchild in list(child.children.values()):
-                        self._drop(grandchild)
-                    self.tokens -= len(child.key) - at
-                    child.key = child.key[:at]
+            if start >= keep:
+                self._drop(node)
+            else:
+                self.tokens -= len(node.key) - (keep - start)
+                node.key = node.key[:keep - start]
                 return
-            if k < len(child.key):
-                return  # the path leaves the tree before the cut: nothing of it is here
-            node, pos = child, pos + k
 
     def release(self, tokens: Sequence[int]) -> None:
         """Drop one `insert` of exactly these tokens (counted trees)."""

@@ -154,6 +154,8 @@ class SchedulerLoop:
                 info = dict(sched.server_info())
             except Exception as exc:
                 info = {"error": str(exc)}
+            if self._cache is not None or self.dp_rank:
+                info["pid"] = os.getpid()  # a replica's process, for an operator (or a test) to find
             self.send.send(encode(ServerInfoOut(info, dp_rank=self.dp_rank)))
         else:
             logger.warning("ignoring unexpected message %s", type(msg).__name__)
