@@ -132,6 +132,9 @@ class ServerArgs:
     node_rank: int = _opt(0, "This node's rank.")
     dist_init_addr: str | None = _opt(None, "host:port of the torch.distributed rendezvous.")
     dist_timeout: int = _opt(600, "Timeout of collectives, in seconds.")
+    dist_interface: str | None = _opt(None, "The network interface (a name such as eth0, or one of its addresses) "
+                                      "that the TP ranks of a multi-node group talk over (default: "
+                                      "$GLOO_SOCKET_IFNAME, else the interface that routes to --dist-init-addr).")
     quick_allreduce: str = _opt("none", "Quantised all-reduce mode.", choices=["none", "fp", "int8", "int6", "int4"])
     quick_allreduce_min_bytes: int = _opt(1 << 20, "Smallest message that takes the quick all-reduce.")
     enable_tp_lm_head_all_to_all: bool = _opt(False, "Sample vocab-parallel logits after an all-to-all.")
@@ -147,6 +150,14 @@ class ServerArgs:
                                     choices=["cache_aware", "round_robin", "shortest_queue"])
 
     def __post_init__(self) -> None:
+        if self.tp_size > 1 and self.nnodes == 1 and self.node_rank == 0 and self.dist_init_addr is None:
+            # In a LeaderWorkerSet pod group, its variables stand in for the multi-node flags left unset.
+            from servelm.distributed.network import leader_worker_set_defaults
+
+            lws = leader_worker_set_defaults()
+            if lws and int(lws["nnodes"]) > 1 and self.tp_size % int(lws["nnodes"]) == 0:  # type: ignore[call-overload]
+                for name, value in lws.items():
+                    object.__setattr__(self, name, value)
         checks = [
             (self.page_size >= 1, f"--page-size must be >= 1, got {self.page_size}"),
             (self.chunked_prefill_size >= 1, f"--chunked-prefill-size must be >= 1, got {self.chunked_prefill_size}"),

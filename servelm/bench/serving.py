@@ -50,6 +50,7 @@ class RequestResult:
     error: str = ""
     input_len: int = 0
     output_len: int = 0
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (usage.prompt_tokens_details)
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -180,6 +181,9 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
                     return result
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    details = obj["usage"].get("prompt_tokens_details") or {}
+                    if isinstance(details.get("cached_tokens"), int):
+                        result.cached_tokens = details["cached_tokens"]
                 if any(c.get("text") for c in obj.get("choices") or []):
                     now = time.perf_counter()
                     if chunks == 0:
@@ -241,6 +245,11 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     e2e = np.array([r.e2e for r in ok] or [0.0]) * 1000
     total_in = sum(r.input_len for r in ok)
     total_out = sum(r.output_len for r in ok)
+    reported = [r for r in ok if r.cached_tokens is not None]
+    # The prefix-cache hit rate as the clients saw it: cached prompt tokens over prompt tokens (so it is the same
+    # measure behind a router, and for any server that reports cached_tokens).
+    hit_rate = (sum(r.cached_tokens or 0 for r in reported) / max(1, sum(r.input_len for r in reported))
+                if reported else None)
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
@@ -251,6 +260,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "mean_itl_ms": float(itl.mean()), "median_itl_ms": float(np.median(itl)),
         "p95_itl_ms": float(np.percentile(itl, 95)), "p99_itl_ms": float(np.percentile(itl, 99)),
         "mean_e2e_ms": float(e2e.mean()), "median_e2e_ms": float(np.median(e2e)),
+        "prefix_cache_hit_rate": hit_rate,
         "errors": sorted({r.error for r in results if not r.success})[:5],
     }
 
@@ -274,6 +284,8 @@ def format_summary(s: dict[str, Any], title: str) -> str:
         ("Mean E2E Latency (ms):", f"{s['mean_e2e_ms']:.2f}"),
         ("Median E2E Latency (ms):", f"{s['median_e2e_ms']:.2f}"),
     ]
+    if s.get("prefix_cache_hit_rate") is not None:
+        rows += [("-Prefix Cache-", None), ("Hit rate (cached / prompt tokens):", f"{s['prefix_cache_hit_rate']:.3f}")]
     width = 50
     lines = [f" {title} ".center(width, "=")]
     for label, value in rows:

@@ -67,3 +67,28 @@ def first_line(exc: BaseException, limit: int = 160) -> str:
     lines = str(exc).strip().splitlines()
     text = f"{type(exc).__name__}: {_SOURCE_LOCATION.sub('', lines[0]) if lines else ''}"
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# gloo names the peer of a failed pair in its message: "Read error [10.0.0.2]:52891: Connection reset by peer".
+_PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+def describe_remote_failure(exc: BaseException, peer_addresses: list[str] | None, ranks_per_node: int,
+                            own_rank: int = 0) -> str:
+    """The one line for a collective that failed because a rank on another node died or stopped answering:
+    which node and ranks, from the peer address in gloo's message (or, when it names none, as after a
+    timeout, the only other node there is) and the addresses the ranks announced at start-up
+    (`TPGroup.peer_addresses`)."""
+    match = _PEER.search(str(exc))
+    ip = match.group(1) if match else None
+    per_node = max(1, ranks_per_node)
+    if ip is None and peer_addresses:
+        others = {a for r, a in enumerate(peer_addresses) if r // per_node != own_rank // per_node}
+        ip = others.pop() if len(others) == 1 else None
+    ranks = [r for r, a in enumerate(peer_addresses or []) if ip is not None and a == ip]
+    if ranks:
+        who = f"TP rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} on node " \
+              f"{ranks[0] // per_node} ({ip})"
+    else:
+        who = f"a TP rank on another node{f' ({ip})' if ip else ''}"
+    return f"{who} died or stopped answering ({first_line(exc)}); shutting down"

@@ -54,6 +54,8 @@ class TPGroup:
     backend: str = "gloo"
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     all_reduce_config: AllReduceConfig = field(default_factory=AllReduceConfig)
+    # Across nodes: the address each rank talks from (by rank), so a lost peer can be named.
+    peer_addresses: list[str] | None = None
 
 
 _TP = TPGroup()
@@ -89,7 +91,7 @@ def parse_dist_init_addr(addr: str) -> tuple[str, int]:
 
 
 def init_distributed(tp_size: int, tp_rank: int, dist_init_addr: str, nnodes: int = 1, node_rank: int = 0,
-                     timeout_s: float = 600, backend: str | None = None) -> TPGroup:
+                     timeout_s: float = 600, backend: str | None = None, interface: str | None = None) -> TPGroup:
     """Join the TP rendezvous at tcp://`dist_init_addr` and install the resulting TP group.
 
     `tp_rank` is the global rank (the TP group spans all nodes); ranks are laid
@@ -97,7 +99,9 @@ def init_distributed(tp_size: int, tp_rank: int, dist_init_addr: str, nnodes: in
     [node_rank * tp_size/nnodes, (node_rank+1) * tp_size/nnodes). `backend`
     defaults to NCCL when CUDA is available, else gloo; the CPU group is gloo
     in every case. `timeout_s` bounds rendezvous and every collective, so a
-    dead peer surfaces as an error instead of a hang.
+    dead peer surfaces as an error instead of a hang. Across nodes (or with
+    `interface`, --dist-interface) the ranks talk over the interface that
+    `servelm.distributed.network` picks, not whatever the hostname resolves to.
     """
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
@@ -107,6 +111,11 @@ def init_distributed(tp_size: int, tp_rank: int, dist_init_addr: str, nnodes: in
     if tp_rank // per_node != node_rank:
         raise ValueError(f"rank {tp_rank} does not live on node {node_rank} ({per_node} ranks per node)")
     host, port = parse_dist_init_addr(dist_init_addr)
+    address = None
+    if nnodes > 1 or interface:
+        from servelm.distributed.network import configure_tp_interface
+
+        address = configure_tp_interface(host.strip("[]"), port, interface, tp_rank)[1]
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     device = torch.device("cpu")
@@ -121,8 +130,12 @@ def init_distributed(tp_size: int, tp_rank: int, dist_init_addr: str, nnodes: in
     # A separate gloo group even when the device group is gloo: object
     # broadcasts then never interleave with tensor collectives of the forward.
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    peers: list[str] | None = None
+    if address is not None:
+        peers = [""] * tp_size
+        dist.all_gather_object(peers, address, group=cpu_group)
     group = TPGroup(rank=tp_rank, world_size=tp_size, device_group=device_group, cpu_group=cpu_group,
-                    backend=backend, device=device)
+                    backend=backend, device=device, peer_addresses=peers)
     set_tp_group(group)
     logger.info("TP rank %d/%d joined tcp://%s:%d (device group %s, cpu group gloo)",
                 tp_rank, tp_size, host, port, backend)

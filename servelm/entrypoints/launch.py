@@ -306,6 +306,11 @@ def launch_server(server_args: ServerArgs) -> None:
 
         code = run_node_workers(server_args)
         if code:
+            from servelm.distributed.failures import PEER_LOST_EXIT_CODE
+
+            if code == PEER_LOST_EXIT_CODE:
+                raise ServerError(f"the TP ranks on node {server_args.node_rank} lost their peers (node 0, or a rank "
+                                  "on another node, died or stopped answering)")
             raise ServerError(f"a TP rank on node {server_args.node_rank} exited with code {code}")
         return
     dp = server_args.dp_size

@@ -92,6 +92,7 @@ class ModelRunner:
         # Rank 0 under TP: names this node's TP rank that died, if one did (TPWorkers.report_death, set by
         # managers/engine_core.py); the runner owns no worker process.
         self.dead_rank_reporter: Callable[[], str | None] | None = None
+        self._remote_failure: str | None = None  # the line naming another node's lost rank, logged once
         self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
@@ -178,7 +179,8 @@ class ModelRunner:
         sa = self.server_args
         if not sa.dist_init_addr:
             raise ConfigError("--dist-init-addr host:port is required with --tp-size > 1")
-        init_distributed(sa.tp_size, self.tp_rank, sa.dist_init_addr, sa.nnodes, sa.node_rank, sa.dist_timeout)
+        init_distributed(sa.tp_size, self.tp_rank, sa.dist_init_addr, sa.nnodes, sa.node_rank, sa.dist_timeout,
+                         interface=sa.dist_interface)
         configure_all_reduce(sa.quick_allreduce, sa.quick_allreduce_min_bytes, sa.enable_deterministic_inference)
 
     def _start_step_sender(self) -> None:
@@ -205,9 +207,19 @@ class ModelRunner:
         line naming it. None when the failure is not that (a bug here, or a rank elsewhere)."""
         from servelm.distributed.failures import is_collective_failure
 
-        if self.dead_rank_reporter is None or not is_collective_failure(exc):
+        if not is_collective_failure(exc):
             return None
-        return self.dead_rank_reporter()
+        line = self.dead_rank_reporter() if self.dead_rank_reporter is not None else None
+        if line is None and self.server_args.nnodes > 1:  # not one of this node's: name the other node
+            if self._remote_failure is None:
+                from servelm.distributed.failures import describe_remote_failure
+                from servelm.distributed.parallel_state import get_tp_group
+
+                self._remote_failure = describe_remote_failure(exc, get_tp_group().peer_addresses,
+                                                               self.server_args.tp_ranks_per_node, self.tp_rank)
+                logger.critical("%s", self._remote_failure)
+            line = self._remote_failure
+        return line
 
     def _load_weights(self, source: Any) -> None:
         policy = self.quant_policy
