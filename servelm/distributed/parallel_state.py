@@ -160,6 +160,12 @@ def destroy_distributed() -> None:
 # request ids and token counts) and costs the same as a one-float broadcast.
 _BCAST_INLINE_BYTES = 4096
 _HEADER = struct.Struct("<q")
+_payload_bytes_sent = 0  # pickled bytes this process broadcast as the source (the step channel's measure)
+
+
+def payload_bytes_sent() -> int:
+    """Pickled bytes `broadcast_object` has sent from this process so far."""
+    return _payload_bytes_sent
 
 
 def broadcast_object(obj: Any = None, src: int = 0, group: TPGroup | None = None) -> Any:
@@ -175,7 +181,9 @@ def broadcast_object(obj: Any = None, src: int = 0, group: TPGroup | None = None
         return obj
     buf = torch.empty(_BCAST_INLINE_BYTES, dtype=torch.uint8)
     if group.rank == src:
+        global _payload_bytes_sent
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        _payload_bytes_sent += len(payload)
         head = _HEADER.pack(len(payload)) + payload[: _BCAST_INLINE_BYTES - _HEADER.size]
         buf[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     dist.broadcast(buf, group=group.cpu_group, group_src=src)

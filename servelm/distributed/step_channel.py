@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from servelm.distributed.parallel_state import broadcast_object
+from servelm.distributed.parallel_state import broadcast_object, payload_bytes_sent
+from servelm.distributed.step_codec import StepDecoder, StepEncoder
 
 # What a keep-alive broadcasts. A str, so it never collides with a StepInput or with None (stop).
 KEEP_ALIVE = "servelm:tp-keep-alive"
@@ -44,8 +45,14 @@ class StepSender:
     died); the thread then ends.
     """
 
-    def __init__(self, timeout_s: float, on_failure: Callable[[BaseException], None]) -> None:
+    def __init__(self, timeout_s: float, on_failure: Callable[[BaseException], None],
+                 rows_needed: bool = False) -> None:
         self.lock = threading.Lock()
+        # Only what changed since the last step goes out (servelm.distributed.step_codec); the followers'
+        # sampling rows only when they sample (`rows_needed`: the LM-head all-to-all).
+        self._encoder = StepEncoder(rows_needed)
+        self.steps_sent = 0
+        self.step_bytes_sent = 0
         self.interval_s = timeout_s * KEEP_ALIVE_FRACTION
         self._on_failure = on_failure
         self._last_sent = time.monotonic()
@@ -61,7 +68,13 @@ class StepSender:
 
     def send(self, step: Any) -> None:
         """Broadcast `step` to the followers (the caller holds `lock`)."""
-        broadcast_object(step)
+        if isinstance(step, str):  # a keep-alive
+            broadcast_object(step)
+        else:
+            before = payload_bytes_sent()
+            broadcast_object(self._encoder.encode(step))
+            self.steps_sent += 1
+            self.step_bytes_sent += payload_bytes_sent() - before
         self._last_sent = time.monotonic()
 
     def _keep_alive(self) -> None:
@@ -107,7 +120,9 @@ class StepSender:
 
 
 def receive_steps() -> Iterator[Any]:
-    """A follower's end: every step rank 0 sends, keep-alives skipped, until rank 0 closes."""
+    """A follower's end: every step rank 0 sends (rebuilt from what changed), keep-alives skipped, until rank 0
+    closes."""
+    decoder = StepDecoder()
     while (step := broadcast_object(None)) is not None:
         if not (isinstance(step, str) and step == KEEP_ALIVE):
-            yield step
+            yield decoder.decode(step)

@@ -9,6 +9,7 @@ turns it into tensors (`ForwardBatch.from_step`), runs the model and samples the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # The sampler's rows live with the sampling params (layers/ must not import managers/); re-exported here.
 from servelm.sampling_params import SampleOutput, SamplingRow  # noqa: F401
@@ -32,3 +33,6 @@ class StepInput:
     sample_rows: list[SamplingRow] = field(default_factory=list)
     # A decoder embedder: rows (of input_ids) whose last hidden state is an embedding (last-token pooling).
     hidden_indices: list[int] = field(default_factory=list)
+    # A stable key per entry of kv_indices (its request; a verify row's (request, j)), so that under TP only the
+    # change of each request's slot list goes to the other ranks (servelm.distributed.step_codec).
+    row_keys: list[Any] = field(default_factory=list)

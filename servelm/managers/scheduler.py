@@ -366,6 +366,7 @@ class Scheduler:
         pooled: list[Req] = []
         extend_lens: list[int] = []
         verify: dict[int, list[int]] = {}  # id(req) -> its rows in `rows`, a speculating request's k + 1
+        row_keys: list[Any] = []
         for req, n in plan:
             start, end = req.num_computed, req.num_computed + n
             ids = req.all_ids
@@ -382,6 +383,7 @@ class Scheduler:
                 for j in range(n):
                     extend_lens.append(1)
                     kv_indices.append(req.slots[: start + j + 1])
+                    row_keys.append((id(req), j))
                     logits_rows.append(first_row + j)
                     verify[id(req)].append(len(rows))
                     rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len + j, req.prompt_ids,
@@ -392,6 +394,7 @@ class Scheduler:
             positions.extend(range(start, end))
             out_loc.extend(new_slots)
             kv_indices.append(req.slots)
+            row_keys.append(id(req))
             extend_lens.append(n)
             todo = req.prompt_positions_to_score
             for pos in range(max(start, todo.start), min(end, todo.stop)):
@@ -419,7 +422,7 @@ class Scheduler:
         # Runs even when nothing samples: partial prefill chunks still fill the KV cache.
         started, generated = time.perf_counter(), self.stats["generation_tokens"]
         result = self.runner.execute(StepInput(input_ids, positions, out_loc, extend_lens, kv_indices,
-                                               logits_rows, rows, hidden_rows))
+                                               logits_rows, rows, hidden_rows, row_keys))
         if pooled:
             assert result is not None
             for req, vector in zip(pooled, result.hidden, strict=True):
@@ -649,6 +652,7 @@ class Scheduler:
             "cache_query_tokens": self.cache.total_queried_tokens,
             **{f"{k}_total": v for k, v in self.stats.items()},
             **(self.spec.info() if self.spec is not None else {}),
+            **(self.runner.tp_channel_stats() if hasattr(self.runner, "tp_channel_stats") else {}),
         }
 
     def model_info(self) -> dict[str, Any]:

@@ -187,7 +187,8 @@ class ModelRunner:
         """Rank 0: from now on (every start-up collective is done) steps and keep-alives go out."""
         from servelm.distributed.step_channel import StepSender
 
-        self._sender = StepSender(self.server_args.dist_timeout, self._keep_alive_failed)
+        self._sender = StepSender(self.server_args.dist_timeout, self._keep_alive_failed,
+                                  rows_needed=self.server_args.enable_tp_lm_head_all_to_all)
 
     def _keep_alive_failed(self, exc: BaseException) -> None:
         """A keep-alive broadcast failed: a rank died or left while rank 0 was idle.
@@ -309,8 +310,9 @@ class ModelRunner:
         hidden = self.model.model(fb)
         out = SampleOutput([], [], [])
         if step.sample_rows:
-            logits = self.model.logits_processor(hidden[fb.logits_indices], self.model.lm_head)
-            out = sample(logits, step.sample_rows)
+            logits = self.model.logits_processor(hidden[fb.logits_indices], self.model.lm_head)  # collective
+            if self.tp_rank == 0:  # only rank 0 samples (the others' rows are placeholders)
+                out = sample(logits, step.sample_rows)
         if self.tp_rank != 0:
             return None
         vectors = hidden[torch.tensor(step.hidden_indices, device=hidden.device)].float()
@@ -351,6 +353,12 @@ class ModelRunner:
             self._sender.close()
             self._sender = None
             destroy_distributed()
+
+    def tp_channel_stats(self) -> dict[str, int]:
+        """Rank 0 under TP: steps sent to the other ranks and their pickled bytes (only what changed)."""
+        if self._sender is None:
+            return {}
+        return {"tp_steps_sent": self._sender.steps_sent, "tp_step_bytes_sent": self._sender.step_bytes_sent}
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "architecture": self.config.architectures[0],

@@ -63,6 +63,8 @@ class Hosts:
         return ["ip", "netns", "exec", self.name(i), "unshare", "--uts", "--", "sh", "-c", script, "sh", *argv]
 
     def teardown(self) -> None:
+        for i in range(self.n):  # a namespace's end of a veth pair goes with it, but not always the other end
+            subprocess.run(["ip", "link", "del", f"{self.prefix}v{i}"], capture_output=True, timeout=30)
         for ns in reversed(self.made):
             if ns == "bridge":
                 subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=30)
