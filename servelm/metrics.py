@@ -51,14 +51,19 @@ class ServerMetrics:
         self.model_name = model_name
         self.dp_size = dp_size
 
+        families: list[tuple[Any, tuple[str, ...]]] = []  # (family, its labels after model_name and dp_rank)
+
         def hist(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
-            return Histogram(f"{PREFIX}:{name}", doc, labels, buckets=buckets, registry=self.registry)
+            families.append((Histogram(f"{PREFIX}:{name}", doc, labels, buckets=buckets, registry=self.registry), ()))
+            return families[-1][0]
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"{PREFIX}:{name}", doc, [*labels, *extra], registry=self.registry)
+            families.append((Counter(f"{PREFIX}:{name}", doc, [*labels, *extra], registry=self.registry), extra))
+            return families[-1][0]
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"{PREFIX}:{name}", doc, labels, registry=self.registry)
+        def gauge(name: str, doc: str, prefix: str = PREFIX) -> Gauge:
+            families.append((Gauge(f"{prefix}:{name}", doc, labels, registry=self.registry), ()))
+            return families[-1][0]
 
         def tokens_hist(name: str, doc: str, buckets: tuple[float, ...] = _TOKEN_COUNT_BUCKETS) -> Histogram:
             return hist(name, doc, buckets)
@@ -123,6 +128,25 @@ class ServerMetrics:
                                     "position in the draft (0 = first).", ("position",))
         self._spec_seen: dict[str, int] = {}
         self._cache_config_registered = False
+        # vLLM's names of the three load gauges, which SMG's load monitor reads from a worker it takes for vLLM
+        # (it does so for servelm, which answers /version): so a router in front balances on real loads.
+        self.vllm_running = gauge("num_requests_running", "Requests running (vLLM's name, for routers).", "vllm")
+        self.vllm_waiting = gauge("num_requests_waiting", "Requests waiting (vLLM's name, for routers).", "vllm")
+        self.vllm_kv_usage = gauge("kv_cache_usage_perc", "KV cache usage, 1 = full (vLLM's name, for routers).",
+                                   "vllm")
+        # Every family has a sample from the start (zero), as vLLM's: a family with no sample yet has no labels
+        # either, and a router that merges several workers' /metrics (sgl-router's /engine_metrics) refuses the mix.
+        for rank in range(dp_size):
+            values = self._labels(rank)
+            for collector, extra in families:
+                if not extra:
+                    collector.labels(*values)
+                elif extra in (("finish_reason",), ("finished_reason",)):
+                    for reason in ("stop", "length", "abort"):
+                        collector.labels(*values, reason)
+                elif extra == ("position",):
+                    collector.labels(*values, "0")
+        self.rejected.labels(model_name)
 
     def _labels(self, dp_rank: int = 0) -> tuple[str, ...]:
         """The label values of a family's child: the model, and the replica under --dp-size."""
@@ -212,6 +236,7 @@ class ServerMetrics:
         pairs = [(self.running, "num_running"), (self.queued, "num_waiting"),
                  (self.kv_used_tokens, "kv_in_use_tokens"), (self.kv_cached_tokens, "kv_cached_tokens"),
                  (self.kv_total_tokens, "kv_total_tokens"), (self.cache_hit_rate, "cache_hit_rate")]
+        pairs += [(self.vllm_running, "num_running"), (self.vllm_waiting, "num_waiting")]
         for gauge, key in pairs:
             value = info.get(key)
             if isinstance(value, (int, float)):
@@ -226,6 +251,7 @@ class ServerMetrics:
             self.kv_usage.labels(*m).set(in_use / total)
             self.kv_usage_perc.labels(*m).set(in_use / total)
             self.gpu_cache_usage.labels(*m).set(in_use / total)
+            self.vllm_kv_usage.labels(*m).set(in_use / total)
 
     def update_from_server_info(self, info: dict[str, Any]) -> None:
         """The gauges from /server_info's dict: one replica's, or under --dp-size each replica's own."""

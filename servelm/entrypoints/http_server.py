@@ -222,6 +222,17 @@ def _operations_routes(app: FastAPI, state: ServerState, native: ServingNative) 
         """vLLM's /load: requests in flight (running or waiting in the scheduler)."""
         return {"server_load": manager.num_in_flight}
 
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        """SGLang's /get_load, which sgl-router's power-of-two policy reads: per data-parallel replica, the
+        requests it holds (running and waiting), those waiting, and the KV tokens in use."""
+        info = await native.scheduler_call(manager.server_info(timeout=5))
+        replicas = info.get("replicas") if isinstance(info.get("replicas"), list) else [{**info, "dp_rank": 0}]
+        return [{"dp_rank": int(r.get("dp_rank", 0)),
+                 "num_reqs": int(r.get("num_running", 0)) + int(r.get("num_waiting", 0)),
+                 "num_waiting_reqs": int(r.get("num_waiting", 0)), "num_tokens": int(r.get("kv_in_use_tokens", 0))}
+                for r in replicas if r.get("alive", True) and "error" not in r]
+
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         return await native.health_generate(request)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from servelm.constrained import check_schema_depth
@@ -59,8 +59,24 @@ UNSUPPORTED_EXTENSIONS = frozenset({
     "guided_decoding_backend", "include_stop_str_in_output", "spaces_between_special_tokens", "length_penalty",
     "early_stopping", "priority", "documents", "mm_processor_kwargs", "chat_template", "lora_path", "image_data",
     "audio_data", "video_data", "session_params", "custom_logit_processor", "request_id", "cache_salt",
-    "allowed_token_ids", "bad_words", "return_hidden_states", "lora_request", "vllm_xargs", "kv_transfer_params",
+    "allowed_token_ids", "bad_words", "lora_request", "vllm_xargs", "kv_transfer_params",
 })
+
+
+def _only(default: Any, why: str) -> AfterValidator:
+    """A field that SGLang's and vLLM's routers (sgl-router, SMG, vllm-router) add to every request they forward,
+    at its default: accepted at that value; any other is a 400 that says why."""
+
+    def check(value: Any) -> Any:
+        if value != default:
+            raise ValueError(f"only {str(default).lower() if isinstance(default, bool) else default!r} is "
+                             f"supported: {why}")
+        return value
+
+    return AfterValidator(check)
+
+
+_NO_HIDDEN = _only(False, "servelm does not return hidden states yet")
 
 
 def unknown_fields_message(names: list[str]) -> str:
@@ -232,6 +248,9 @@ class _SamplingFields(_TopRequest):
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end truncate_prompt_tokens cuts
     use_beam_search: bool = False  # refused when true: servelm has no beam search
+    # What the routers add (at these values) to every request they forward; other values are refused.
+    return_hidden_states: Annotated[bool, _NO_HIDDEN] = False
+    no_stop_trim: Annotated[bool, _only(False, "the stop string is always trimmed from the output")] = False
     # OpenAI fields that change nothing a local server does: accepted and ignored.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -259,6 +278,11 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None
     verbosity: str | None = None
     prediction: dict[str, Any] | None = None
+    # SGLang's and vLLM's reasoning switches, sent by the routers at their defaults: the reasoning parser (when the
+    # server has one) always splits the thinking out, and streams it as it comes.
+    separate_reasoning: Annotated[bool, _only(True, "the reasoning parser always separates the thinking")] = True
+    stream_reasoning: Annotated[bool, _only(True, "the thinking is always streamed as it comes")] = True
+    include_reasoning: Annotated[bool, _only(True, "reasoning_content is always returned")] = True
 
 
 class CompletionRequest(_SamplingFields):
@@ -285,6 +309,15 @@ class GenerateRequest(_TopRequest):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     return_text_in_logprobs: bool = False
+    # Fields SGLang's routers add when they forward /generate: `model` (a router's "unknown", or null: one model is
+    # served here either way) and logging switches are ignored; the rest are accepted at their defaults.
+    model: str | None = None
+    log_metrics: bool = True
+    no_logs: bool = False
+    return_hidden_states: Annotated[bool, _NO_HIDDEN] = False
+    background: Annotated[bool, _only(False, "requests always run in the foreground")] = False
+    return_bytes: Annotated[bool, _only(False, "text is returned as text")] = False
+    return_entropy: Annotated[bool, _only(False, "servelm does not return entropies yet")] = False
 
 
 class TokenizeRequest(_TopRequest):
@@ -293,6 +326,7 @@ class TokenizeRequest(_TopRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM: render the last message open, to be continued
     chat_template_kwargs: dict[str, Any] | None = None
 
 

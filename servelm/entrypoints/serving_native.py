@@ -165,7 +165,8 @@ class ServingNative(OpenAIServing):
                 raise bad("messages must be a non-empty list of messages", "messages")
             try:
                 ids = self.manager.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in req.messages],
-                                                   req.add_generation_prompt, template_kwargs=req.chat_template_kwargs)
+                                                   req.add_generation_prompt, req.continue_final_message,
+                                                   template_kwargs=req.chat_template_kwargs)
             except Exception as exc:
                 raise bad(f"messages could not be rendered with the chat template: {exc}", "messages") from None
         else:
@@ -208,11 +209,17 @@ class ServingNative(OpenAIServing):
     async def server_info(self) -> dict[str, Any]:
         """GET /server_info: the scheduler's live state and the server's arguments (API key masked)."""
         info = await self.scheduler_call(self.manager.server_info())
-        server_args = dataclasses.asdict(self.state.server_args)
+        args = self.state.server_args
+        server_args = dataclasses.asdict(args)
         if server_args.get("api_key"):
             server_args["api_key"] = "***"
+        model_info = self.manager.model_info
         return {**info, "num_in_flight": self.manager.num_in_flight, "server_args": server_args,
                 "context_length": self.max_model_len,
+                # At the top level too, where SGLang's router reads the served model's name and paths.
+                "served_model_name": self.state.model_name,
+                "model_path": args.model_path or model_info.get("model_path"),
+                "tokenizer_path": tokenizer_display_path(self.state.server_args),
                 # Resident weights of rank 0 and their formats (servelm.model_loader.quantization).
                 **{k: self.manager.model_info.get(k) for k in ("weight_bytes", "quantization", "weight_formats")},
                 "version": __version__}
