@@ -42,6 +42,7 @@ import numpy as np
 class BenchRequest:
     prompt_ids: list[int]
     output_len: int
+    text: str | None = None  # --text-prompts: the prompt sent as this text instead of its token ids
 
 
 @dataclass
@@ -157,7 +158,8 @@ def _server_info(base_url: str, api_key: str | None) -> dict[str, Any]:
 async def send_request(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
                        headers: dict[str, str]) -> RequestResult:
     """One streaming completion; times the first token, each following chunk and the whole request."""
-    body = {"model": model, "prompt": req.prompt_ids, "max_tokens": req.output_len, "temperature": 0.0,
+    body = {"model": model, "prompt": req.text if req.text is not None else req.prompt_ids,
+            "max_tokens": req.output_len, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     result = RequestResult(input_len=len(req.prompt_ids))
     start = time.perf_counter()
@@ -181,6 +183,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, req: Ben
                     return result
                 if obj.get("usage"):
                     usage_tokens = obj["usage"].get("completion_tokens")
+                    if req.text is not None and isinstance(obj["usage"].get("prompt_tokens"), int):
+                        result.input_len = obj["usage"]["prompt_tokens"]  # the server's count of the text
                     details = obj["usage"].get("prompt_tokens_details") or {}
                     if isinstance(details.get("cached_tokens"), int):
                         result.cached_tokens = details["cached_tokens"]
@@ -322,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flush-cache", action="store_true",
                    help="POST /flush_cache first, so prompts of an earlier run with the same seed are not cache "
                         "hits (servelm, SGLang).")
+    p.add_argument("--text-prompts", action="store_true",
+                   help="Send each prompt as its text (decoded) instead of token ids: what a router's text-based "
+                        "cache-aware policy needs (input lengths then are the server's count).")
     p.add_argument("--output-file", default=None, help="Append one JSON line with the config and results.")
     return p
 
@@ -356,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         requests = shared_prefix_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                          args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, rng)
+    if args.text_prompts:
+        for req in requests:
+            req.text = tokenizer.decode(req.prompt_ids)
     if args.flush_cache:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         r = httpx.post(args.base_url.rstrip("/") + "/flush_cache", headers=headers, timeout=60)

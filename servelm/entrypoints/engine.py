@@ -41,6 +41,9 @@ class Engine:
             server_args = ServerArgs(**kwargs)
         elif kwargs:
             server_args = server_args.replace(**kwargs)
+        if server_args.dp_size > 1:
+            raise ValueError(f"--dp-size {server_args.dp_size}: the offline Engine runs one replica; data-parallel "
+                             "replicas are the server's (servelm serve --dp-size), or run one Engine per process")
         self.server_args = server_args
         # Threads of this process and of the TP workers it spawns (they inherit the environment).
         self.cpu_threads = configure_cpu_threads(server_args.num_threads,

@@ -175,3 +175,28 @@ def test_bad_dp_cpus_is_one_line_before_anything_starts(tmp_path: Path) -> None:
         assert proc.returncode != 0
         assert message in proc.stderr, proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_dp2_by_tp2_gives_tp1_tokens_on_each_replica(tiny_llama: tuple[Path, object], tmp_path: Path) -> None:
+    from servelm.entrypoints.engine import Engine
+
+    model_dir, _ = tiny_llama
+    prompts = [[5, 17, 300, 42], [9, 8, 7, 6, 5]]
+    engine = Engine(model_path=str(model_dir), max_total_tokens=2048)
+    try:
+        expected = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params={
+            "max_new_tokens": 8, "temperature": 0, "ignore_eos": True})]
+    finally:
+        engine.shutdown()
+    srv = start_server(_args(model_dir, "--tp-size", "2", "--load-balance-method", "round_robin"),
+                       tmp_path / "server.log")
+    try:
+        for ids, exp in [(p, e) for p, e in zip(prompts, expected, strict=True) for _ in range(2)]:
+            r = httpx.post(f"{srv.base_url}/generate", json={"input_ids": ids, "sampling_params": {
+                "max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}, timeout=TIMEOUT)
+            assert r.status_code == 200 and r.json()["output_ids"] == exp, r.text
+        info = _info(srv)
+        assert [r["dispatched"] for r in info["replicas"]] == [2, 2] and info["replicas"][0]["tp_steps_sent"] > 0
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+    assert not srv.children()

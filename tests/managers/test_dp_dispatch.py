@@ -200,3 +200,17 @@ def test_cpu_lists_and_replica_cpu_sets() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             replica_cpu_sets(dp, spec, list(cpus))
+
+
+def test_replicas_are_the_servers_the_offline_engine_refuses_them() -> None:
+    from servelm.config import ConfigError, ServerArgs
+    from servelm.entrypoints.engine import Engine
+
+    with pytest.raises(ValueError, match="the offline Engine runs one replica"):
+        Engine(dp_size=2)
+    for kwargs, message in [({"dp_size": 0}, "--dp-size must be >= 1"),
+                            ({"dp_size": 2, "nnodes": 2, "tp_size": 2, "dist_init_addr": "h:1"}, "is not supported"),
+                            ({"dp_size": 2, "prefix_cache_dir": "/tmp/x"}, "needs --dp-size 1"),
+                            ({"dp_cpus": "0;1"}, "--dp-cpus needs --dp-size > 1")]:
+        with pytest.raises(ConfigError, match=message):
+            ServerArgs(**kwargs)
