@@ -218,8 +218,8 @@ async def run_benchmark(base_url: str, model: str, requests: list[BenchRequest],
     rng = np.random.default_rng(seed)
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=30), limits=limits) as client:
         for req in requests[:warmup]:  # also pays for first-call costs (compilation, allocations)
-            warm = await send_request(client, url, model, BenchRequest(req.prompt_ids, min(req.output_len, 8)),
-                                      headers)
+            short = BenchRequest(req.prompt_ids, min(req.output_len, 8), req.text)
+            warm = await send_request(client, url, model, short, headers)
             if not warm.success:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -363,9 +363,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         requests = shared_prefix_dataset(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                          args.gsp_system_prompt_len, args.gsp_question_len, args.gsp_output_len, rng)
-    if args.text_prompts:
-        for req in requests:
-            req.text = tokenizer.decode(req.prompt_ids)
     if args.flush_cache:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         r = httpx.post(args.base_url.rstrip("/") + "/flush_cache", headers=headers, timeout=60)
@@ -373,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"warning: /flush_cache answered {r.status_code}; the prefix cache was not flushed", file=sys.stderr)
     # Warm-up prompts are fresh random ones, so that they never seed the prefix cache being measured.
     warm = random_dataset(tokenizer, args.warmup_requests, 16, 8, 1.0, random.Random(args.seed + 1))
+    if args.text_prompts:  # SMG, for one, takes no token-id prompts
+        for req in warm + requests:
+            req.text = tokenizer.decode(req.prompt_ids)
     before = _server_info(args.base_url, args.api_key)
     results, duration = asyncio.run(run_benchmark(
         args.base_url, model, warm + requests, args.request_rate, args.max_concurrency, args.api_key,

@@ -115,3 +115,15 @@ def test_embeddings_bench_offline_and_over_http(tmp_path: Path, capsys: pytest.C
     assert embeddings.main(["--model-path", str(folder), "--num-inputs", "24", "--min-len", "8", "--max-len", "12",
                             "--rounds", "1", "--concurrency", "4", "--no-baseline"]) == 0
     assert "concurrency 4" in capsys.readouterr().out
+
+
+def test_serving_summary_reports_the_clients_prefix_cache_hit_rate() -> None:
+    from servelm.bench.serving import RequestResult, format_summary, summarize
+
+    results = [RequestResult(success=True, input_len=100, output_len=4, cached_tokens=0, e2e=1.0),
+               RequestResult(success=True, input_len=100, output_len=4, cached_tokens=80, e2e=1.0),
+               RequestResult(success=False, error="HTTP 500")]
+    s = summarize(results, 2.0)
+    assert s["prefix_cache_hit_rate"] == 0.4 and s["completed"] == 2
+    assert "Hit rate (cached / prompt tokens):          0.400" in format_summary(s, "t")
+    assert summarize([RequestResult(success=True, input_len=5, output_len=1)], 1.0)["prefix_cache_hit_rate"] is None
