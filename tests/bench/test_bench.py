@@ -125,5 +125,5 @@ def test_serving_summary_reports_the_clients_prefix_cache_hit_rate() -> None:
                RequestResult(success=False, error="HTTP 500")]
     s = summarize(results, 2.0)
     assert s["prefix_cache_hit_rate"] == 0.4 and s["completed"] == 2
-    assert "Hit rate (cached / prompt tokens):          0.400" in format_summary(s, "t")
+    assert "Hit rate (cached / prompt tokens):           0.400" in format_summary(s, "t")
     assert summarize([RequestResult(success=True, input_len=5, output_len=1)], 1.0)["prefix_cache_hit_rate"] is None
