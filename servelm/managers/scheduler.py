@@ -492,6 +492,7 @@ class Scheduler:
         req.num_computed += appended
         del req.slots[req.num_computed:]
         req.draft = []
+        self.last_step_tokens += appended - 1  # the step was counted with one token for it (_iteration_tokens)
 
     @staticmethod
     def _iteration_tokens(req: Req, n: int) -> int:

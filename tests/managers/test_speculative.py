@@ -130,6 +130,23 @@ def test_fewer_steps_and_stop_conditions_see_only_accepted_tokens() -> None:
     assert spec_s.stats["generation_tokens"] == base_s.stats["generation_tokens"]
 
 
+def test_iteration_tokens_count_every_accepted_token() -> None:
+    """vLLM's iteration_tokens_total: a verify step counts the tokens it generated, not one a request."""
+    s = make(SpecConfig("ngram"))
+    reqs = _requests(2, seed=3, max_new=60)
+    for r in reqs:
+        s.add_request(r)
+    counted, most, before = 0, 0, 0
+    while s.has_work():
+        s.step()
+        counted += s.last_step_tokens
+        most = max(most, s.stats["generation_tokens"] - before)
+        before = s.stats["generation_tokens"]
+    # Every prompt once (in the step that ends it) and every generated token once.
+    assert counted == sum(len(r.input_ids) for r in reqs) + s.stats["generation_tokens"]
+    assert most > 2  # some step accepted drafts
+
+
 def test_aborts_leave_no_page_behind() -> None:
     """300 mixed requests, some hung up while they speculate: every page ends free or in the cache."""
     reqs = _requests(300, seed=9, max_new=30)
