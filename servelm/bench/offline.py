@@ -12,6 +12,7 @@ from servelm.bench.common import (
     median_of,
     random_prompts,
 )
+from servelm.bench.serving import speculation_delta, speculation_line
 from servelm.config import ServerArgs
 from servelm.entrypoints.engine import Engine
 
@@ -38,9 +39,14 @@ def main(argv: list[str]) -> int:
         return {"seconds": dt, "output_tok_s": out_tokens / dt}
 
     engine.generate(input_ids=prompts[:2], sampling_params={**params, "max_new_tokens": 4})  # warm-up
+    before = engine.server_info()
     res = median_of(ns.runs, once)
     print(f"servelm       {ns.num_prompts} prompts x {ns.input_len} in / {ns.output_len} out: "
           f"{res['seconds']:.1f} s, {res['output_tok_s']:.1f} output tok/s", flush=True)
+    spec = speculation_delta(before, engine.server_info())  # over all the measured runs
+    res.update(spec)
+    if line := speculation_line(spec):
+        print(line, flush=True)
     if ns.baseline == "hf":
         hf = load_hf_baseline(ns.model_path)
         hf_generate_seconds(hf, prompts[:2], 2)

@@ -145,6 +145,17 @@ def speculation_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str
     return d
 
 
+def speculation_line(d: dict[str, Any]) -> str | None:
+    """The one line a benchmark prints about speculation (from `speculation_delta`), or None when it was off."""
+    if d.get("spec_decode_num_drafts") is None:
+        return None
+    mean = d["spec_decode_mean_acceptance_length"]
+    if not mean:
+        return "Speculative decoding: no drafts"
+    return (f"Speculative decoding: {d['spec_decode_num_drafts']} drafts, {d['spec_decode_num_accepted_tokens']} of "
+            f"{d['spec_decode_num_draft_tokens']} draft tokens accepted, mean acceptance length {mean:.2f}")
+
+
 def _server_info(base_url: str, api_key: str | None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
@@ -380,12 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(results, duration)
     summary.update(speculation_delta(before, _server_info(args.base_url, args.api_key)))
     print(format_summary(summary, "Serving Benchmark Result"), flush=True)
-    if summary.get("spec_decode_num_drafts") is not None:
-        mean = summary["spec_decode_mean_acceptance_length"]
-        print(f"Speculative decoding: {summary['spec_decode_num_drafts']} drafts, "
-              f"{summary['spec_decode_num_accepted_tokens']} of {summary['spec_decode_num_draft_tokens']} draft "
-              f"tokens accepted, mean acceptance length {mean:.2f}" if mean else
-              "Speculative decoding: no drafts", flush=True)
+    line = speculation_line(summary)
+    if line:
+        print(line, flush=True)
     if args.output_file:
         record = {**{k: v for k, v in vars(args).items() if k != "api_key"}, "model": model, **summary}
         if not math.isfinite(record["request_rate"]):

@@ -43,6 +43,16 @@ def test_offline_counts_every_output_token(tiny_llama, tmp_path: Path, capsys: p
     assert "6 prompts x 16 in / 7 out" in capsys.readouterr().out
 
 
+def test_offline_reports_speculation(tiny_llama, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    assert offline.main(["--model-path", str(tiny_llama[0]), "--num-prompts", "2", "--input-len", "24",
+                         "--output-len", "24", "--runs", "1", "--speculative-algorithm", "ngram",
+                         "--json", str(out)]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["spec_decode_num_drafts"] >= 0 and "spec_decode_mean_acceptance_length" in row
+    assert "Speculative decoding: " in capsys.readouterr().out
+
+
 def test_one_batch_competing_load_reports_idle_and_busy(tiny_llama, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     folder, _ = tiny_llama
