@@ -53,9 +53,10 @@ class ServerArgs:
                               "detected without it).")
     runner: str = _opt("auto", "vLLM's --runner: pooling (= --is-embedding), generate, or auto (detected from the "
                        "model).", choices=["auto", "generate", "pooling"])
-    pooling: str | None = _opt(None, "How an embedding model pools its token states: mean, cls (first token) or last "
-                               "(last token); overrides the model's sentence-transformers files.",
-                               choices=["mean", "cls", "last"])
+    pooling: str | None = _opt(None, "How an embedding model pools its token states: mean, cls (first token), last "
+                               "(last token), max, mean_sqrt_len or weightedmean (sentence-transformers' modes); "
+                               "overrides the model's sentence-transformers files.",
+                               choices=["mean", "cls", "last", "max", "mean_sqrt_len", "weightedmean"])
 
     # HTTP server
     host: str = _opt("127.0.0.1", "Host to bind.")

@@ -111,7 +111,8 @@ class EmbeddingRunner:
                 "id2label": {str(k): v for k, v in (getattr(self.config, "id2label", None) or {}).items()}
                 if self.task == "score" else None,
                 "architecture": self.architecture, "dtype": str(self.dtype).removeprefix("torch."),
-                "hidden_size": self.hidden_size, "embedding_dimensions": self.hidden_size,
+                "hidden_size": self.hidden_size,
+                "embedding_dimensions": self.hidden_size * len(self.pooling.mode.split("+")),
                 "pooling": self.pooling.mode, "normalize": self.pooling.normalize,
                 "max_context_length": self.max_context_len, "model_context_length": self.max_context_len,
                 "vocab_size": self.config.vocab_size, "weight_bytes": self.weight_bytes,

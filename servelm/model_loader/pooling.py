@@ -11,13 +11,19 @@ from typing import Any
 from servelm.dataclass_flags import ConfigError
 from servelm.model_loader.model_path import ENCODER_ARCHITECTURES, read_hf_config
 
-POOLING_MODES = ("mean", "cls", "last")
+POOLING_MODES = ("mean", "cls", "last", "max", "mean_sqrt_len", "weightedmean")
+# sentence-transformers' Pooling config keys, in the order its Pooling module concatenates the enabled modes.
+_ST_MODES = (("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
+             ("pooling_mode_mean_tokens", "mean"), ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"),
+             ("pooling_mode_weightedmean_tokens", "weightedmean"), ("pooling_mode_lasttoken", "last"))
 
 
 @dataclass(frozen=True)
 class PoolingConfig:
-    """How token states become one embedding: `mode`, unit length or not, and sentence-transformers' own
-    input limit (`max_seq_length`, which it truncates to; None without sentence_bert_config.json)."""
+    """How token states become one embedding: `mode` (one of POOLING_MODES, or several joined by "+", whose
+    vectors are concatenated in that order, as sentence-transformers does), unit length or not, and
+    sentence-transformers' own input limit (`max_seq_length`, which it truncates to; None without
+    sentence_bert_config.json)."""
 
     mode: str
     normalize: bool
@@ -35,8 +41,9 @@ def _read_json(path: str) -> Any:
 
 def read_pooling(folder: str, default_mode: str = "cls") -> PoolingConfig:
     """The pooling a sentence-transformers folder declares: modules.json names its Pooling module (whose
-    config.json picks CLS, mean or last-token) and whether a Normalize module follows. Without modules.json:
-    `default_mode`, normalised (as vLLM's embedding pooler does by default)."""
+    config.json enables CLS, max, mean, mean-sqrt-len, weighted-mean or last-token pooling, or several, then
+    concatenated) and whether a Normalize module follows. Without modules.json: `default_mode`, normalised (as
+    vLLM's embedding pooler does by default)."""
     modules = _read_json(os.path.join(folder, "modules.json"))
     st_config = _read_json(os.path.join(folder, "sentence_bert_config.json")) or {}
     max_len = st_config.get("max_seq_length") if isinstance(st_config, dict) else None
@@ -49,16 +56,13 @@ def read_pooling(folder: str, default_mode: str = "cls") -> PoolingConfig:
     for m in modules:
         if isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling"):
             cfg = _read_json(os.path.join(folder, str(m.get("path", "")), "config.json")) or {}
-            if cfg.get("pooling_mode_cls_token"):
-                mode = "cls"
-            elif cfg.get("pooling_mode_lasttoken"):
-                mode = "last"
-            elif cfg.get("pooling_mode_mean_tokens"):
-                mode = "mean"
-            else:
-                chosen = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v]
-                raise ConfigError(f"{folder}: pooling {', '.join(chosen) or 'none'} is not supported (mean, cls "
-                                  "or last token); pass --pooling to choose one")
+            modes = [name for key, name in _ST_MODES if cfg.get(key)]
+            unknown = [k for k, v in cfg.items() if k.startswith("pooling_mode") and v
+                       and k not in dict(_ST_MODES)]
+            if unknown or not modes:
+                raise ConfigError(f"{folder}: pooling {', '.join(unknown) or 'none'} is not supported (cls, max, "
+                                  "mean, mean_sqrt_len, weightedmean or last token); pass --pooling to choose one")
+            mode = "+".join(modes)
     return PoolingConfig(mode, normalize, max_len, "modules.json")
 
 

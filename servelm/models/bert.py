@@ -201,18 +201,36 @@ class BertClassifier(nn.Module):
 
 
 def pool(hidden: torch.Tensor, lengths: list[int], mode: str, normalize: bool) -> torch.Tensor:
-    """Sentence embeddings [B, H] from packed hidden states [T, H]: `mean` over each input's tokens, `cls` its
-    first token, `last` its last token; then unit length if `normalize`."""
+    """Sentence embeddings [B, H x modes] from packed hidden states [T, H], as sentence-transformers' Pooling:
+    `cls` each input's first token, `last` its last, `max` the largest value of each dimension, `mean` the
+    mean, `mean_sqrt_len` the sum over sqrt(length), `weightedmean` the mean weighted by position (1, 2, ...);
+    several modes joined by "+" are concatenated in that order; then unit length if `normalize`."""
     lens = torch.tensor(lengths, dtype=torch.long)
     ends = torch.cumsum(lens, 0)
-    if mode == "cls":
-        out = hidden[ends - lens]
-    elif mode == "last":
-        out = hidden[ends - 1]
-    elif mode == "mean":
-        seq = torch.repeat_interleave(torch.arange(len(lengths)), lens)
-        out = hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, seq, hidden)
-        out = out / lens[:, None].to(hidden.dtype)
-    else:
-        raise ValueError(f"pooling {mode!r} is not one of mean, cls, last")
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+
+    def summed(x: torch.Tensor) -> torch.Tensor:
+        return hidden.new_zeros(len(lengths), hidden.shape[1]).index_add_(0, seq, x)
+
+    parts = []
+    for one in mode.split("+"):
+        if one == "cls":
+            parts.append(hidden[ends - lens])
+        elif one == "last":
+            parts.append(hidden[ends - 1])
+        elif one == "mean":
+            parts.append(summed(hidden) / lens[:, None].to(hidden.dtype))
+        elif one == "mean_sqrt_len":
+            parts.append(summed(hidden) / lens[:, None].to(hidden.dtype).sqrt())
+        elif one == "weightedmean":
+            weights = (torch.arange(hidden.shape[0]) - torch.repeat_interleave(ends - lens, lens) + 1)
+            weights = weights.to(hidden.dtype)[:, None]
+            parts.append(summed(hidden * weights) / (lens * (lens + 1) // 2)[:, None].to(hidden.dtype))
+        elif one == "max":
+            index = seq[:, None].expand_as(hidden)
+            parts.append(hidden.new_full((len(lengths), hidden.shape[1]), float("-inf")).scatter_reduce_(
+                0, index, hidden, reduce="amax"))
+        else:
+            raise ValueError(f"pooling {one!r} is not one of cls, last, max, mean, mean_sqrt_len, weightedmean")
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return F.normalize(out, dim=-1) if normalize else out

@@ -41,9 +41,12 @@ def st_folder(out: Path, pooling: str, normalize: bool, max_seq_length: int = 64
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
     (out / "modules.json").write_text(json.dumps(modules))
     (out / "1_Pooling").mkdir()
+    modes = pooling.split("+")
+    keys = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "last": "pooling_mode_lasttoken",
+            "max": "pooling_mode_max_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+            "weightedmean": "pooling_mode_weightedmean_tokens"}
     (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 48, "pooling_mode_cls_token": pooling == "cls",
-        "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_lasttoken": pooling == "last"}))
+        "word_embedding_dimension": 48, **{key: mode in modes for mode, key in keys.items()}}))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
                                                                "do_lower_case": False}))
     return out
@@ -64,13 +67,19 @@ def servelm_embed(runner, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
     return torch.tensor(np.stack([np.frombuffer(base64.b64decode(v), dtype="<f4") for v in runner.embed(ids)]))
 
 
-@pytest.mark.parametrize("pooling, normalize", [("cls", True), ("mean", False), ("last", True)])
+@pytest.mark.parametrize("pooling, normalize", [("cls", True), ("mean", False), ("last", True), ("max", False),
+                                               ("mean_sqrt_len", True), ("weightedmean", False), ("cls+mean", True),
+                                               ("max+mean+last", False)])
 def test_tiny_bert_equals_sentence_transformers(tmp_path: Path, pooling: str, normalize: bool) -> None:
     from sentence_transformers import SentenceTransformer
 
     folder = st_folder(tmp_path / "m", pooling, normalize)
     runner = runner_of(folder)
-    assert runner.pooling == PoolingConfig(pooling, normalize, 64, "modules.json") and runner.max_context_len == 64
+    # Several modes are concatenated in sentence-transformers' order (cls, max, mean, ..., last).
+    order = ["cls", "max", "mean", "mean_sqrt_len", "weightedmean", "last"]
+    mode = "+".join(sorted(pooling.split("+"), key=order.index))
+    assert runner.pooling == PoolingConfig(mode, normalize, 64, "modules.json") and runner.max_context_len == 64
+    assert runner.model_info()["embedding_dimensions"] == 48 * len(pooling.split("+"))
     ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_tensor=True, batch_size=3)
     got = servelm_embed(runner, TEXTS)
     cos = torch.nn.functional.cosine_similarity(got, ref)
@@ -93,8 +102,8 @@ def test_pooling_flag_overrides_the_files(tmp_path: Path) -> None:
 def test_read_pooling_and_detection(tmp_path: Path) -> None:
     folder = st_folder(tmp_path / "m", "cls", False)
     assert read_pooling(str(folder)) == PoolingConfig("cls", False, 64, "modules.json")
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
-    with pytest.raises(ConfigError, match="pooling pooling_mode_max_tokens is not supported"):
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_fancy_tokens": True}))
+    with pytest.raises(ConfigError, match="pooling pooling_mode_fancy_tokens is not supported"):
         read_pooling(str(folder))
     plain = tmp_path / "plain"
     plain.mkdir()
