@@ -153,6 +153,10 @@ class TokenizerManager:
         for addr in addrs:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            if len(addrs) > 1:
+                # A replica's sends never block (NOBLOCK): no limit on what waits for a busy replica (one request
+                # may carry thousands of inputs), so that only a replica that is gone refuses a message.
+                sock.setsockopt(zmq.SNDHWM, 0)
             sock.bind(addr)
             self._sends.append(sock)
         self._send = self._sends[0]
