@@ -113,19 +113,23 @@ class ServerArgs:
     enable_deterministic_inference: bool = _opt(False, "Batch-invariant kernels and sampling.")
 
     # Speculative decoding (servelm.speculative)
-    speculative_algorithm: str | None = _opt(None, "Speculative decoding without a draft model: ngram (the "
-                                             "request's own context proposes the tokens that followed its last "
-                                             "tokens there; vLLM's prompt lookup) or suffix (also the prompts and "
-                                             "outputs of recent requests). Output is unchanged; copy-heavy tasks "
-                                             "(editing, quoting) decode faster.")
+    speculative_algorithm: str | None = _opt(None, "Speculative decoding: ngram (the request's own context "
+                                             "proposes the tokens that followed its last tokens there; vLLM's "
+                                             "prompt lookup), suffix (also the prompts and outputs of recent "
+                                             "requests), or draft (a smaller model, --speculative-draft-model-path). "
+                                             "Output is unchanged; copy-heavy tasks (editing, quoting) decode faster.")
     speculative_num_draft_tokens: int = _opt(4, "Most draft tokens a request gets per step (adapted per request).")
     speculative_ngram_min_match_window_size: int = _opt(2, "Shortest run of recent tokens that must match.")
     speculative_ngram_max_match_window_size: int = _opt(8, "Longest run of recent tokens tried first.")
+    speculative_draft_model_path: str | None = _opt(None, "The draft model of --speculative-algorithm draft: a smaller "
+                                                    "model with the target's tokenizer (HF folder or GGUF), run "
+                                                    "greedily beside it with a KV pool of its own.")
     speculative_max_batch: int = _opt(2, "Speculate only while at most this many requests decode at once (they "
                                       "share --speculative-num-draft-tokens).")
     speculative_config: str | None = _opt(None, "vLLM's JSON form, as an alias: '{\"method\": \"ngram\", "
                                           "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 8, "
-                                          "\"prompt_lookup_min\": 2}' (method ngram or suffix).")
+                                          "\"prompt_lookup_min\": 2}' (method ngram or suffix; or \"model\": a draft "
+                                          "model's path).")
 
     # Parallelism
     tp_size: int = _opt(1, "Tensor-parallel size.", aliases=("--tp", "--tensor-parallel-size"))
@@ -181,6 +185,10 @@ class ServerArgs:
             (self.dp_size == 1 or self.prefix_cache_dir is None,
              "--prefix-cache-dir needs --dp-size 1 (the replicas would write the same files)"),
             (self.dp_cpus is None or self.dp_size > 1, "--dp-cpus needs --dp-size > 1"),
+            (self.speculative_draft_model_path is None or (self.speculative_algorithm or "").lower() == "draft",
+             "--speculative-draft-model-path needs --speculative-algorithm draft"),
+            (self.speculative_draft_model_path is None or self.tp_size == 1,
+             "--speculative-algorithm draft needs --tp-size 1 for now (the draft model would run on rank 0 alone)"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
             (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),
@@ -237,7 +245,7 @@ class ServerArgs:
 
         return SpecConfig(self.speculative_algorithm, self.speculative_num_draft_tokens,
                           self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
-                          self.speculative_max_batch)
+                          self.speculative_max_batch, draft_model_path=self.speculative_draft_model_path)
 
     @property
     def tp_ranks_per_node(self) -> int:

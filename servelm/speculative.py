@@ -1,4 +1,4 @@
-"""Speculative decoding without a draft model: where the proposals come from, and how many to make.
+"""Speculative decoding: where the proposals come from, and how many to make.
 
 A decoding request whose recent tokens also appear earlier in its own context (`ngram`, vLLM's prompt
 lookup), or in the prompts and outputs of recent requests (`suffix`), is given the tokens that followed that
@@ -9,6 +9,9 @@ model drew there, and the first one that differs is replaced by the model's. Wit
 seeded draws (servelm.layers.sampler), this is exact rejection sampling for a one-point draft distribution:
 accepting d with probability p(d) and otherwise drawing from p without d is what "draw from p, keep d if it
 came out" does. So the output is the one without speculation, token for token, at any temperature.
+
+A draft model (`draft`) proposes greedily instead (servelm.model_executor.draft, attached to the Proposer by
+the scheduler's builder): its tokens are one-point proposals too, verified the same way.
 
 Torch-free: the scheduler's unit tests use it without a model.
 """
@@ -24,14 +27,14 @@ from typing import Any
 
 from servelm.dataclass_flags import ConfigError
 
-ALGORITHMS = ("ngram", "suffix")
+ALGORITHMS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """What `--speculative-*` asked for (see ServerArgs)."""
 
-    algorithm: str  # "ngram" or "suffix"
+    algorithm: str  # "ngram", "suffix" or "draft"
     num_draft_tokens: int = 4  # most draft tokens a request gets per step (k)
     min_match: int = 2  # shortest run of recent tokens that must match to propose
     max_match: int = 8  # longest run tried first
@@ -42,11 +45,15 @@ class SpecConfig:
     max_batch: int = 2
     suffix_capacity: int = 1 << 16  # tokens of recent requests the `suffix` proposer keeps
     guard: bool = True  # switch speculation off at a batch size where it measurably loses (RateGuard)
+    draft_model_path: str | None = None  # `draft`: the draft model (same tokenizer as the target)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"--speculative-algorithm {self.algorithm!r} is not supported; choose one of: "
-                              f"{', '.join(ALGORITHMS)} (a draft model is not supported yet)")
+                              f"{', '.join(ALGORITHMS)}")
+        if (self.algorithm == "draft") != (self.draft_model_path is not None):
+            raise ConfigError("--speculative-algorithm draft and --speculative-draft-model-path go together: "
+                              "give both, or neither")
         if not 1 <= self.num_draft_tokens <= 16:
             raise ConfigError(f"--speculative-num-draft-tokens must be in [1, 16], got {self.num_draft_tokens}")
         if self.max_batch < 1:
@@ -65,16 +72,20 @@ def parse_vllm_config(text: str) -> dict[str, Any]:
     if not isinstance(cfg, dict):
         raise ConfigError("--speculative-config must be a JSON object, such as "
                           '{"method": "ngram", "num_speculative_tokens": 4}')
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    known = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
     unknown = sorted(set(cfg) - known)
     if unknown:
         raise ConfigError(f"--speculative-config: unsupported keys {', '.join(unknown)} (supported: "
                           f"{', '.join(sorted(known))})")
-    method = cfg.get("method", "ngram")
+    # vLLM infers a draft model from "model"; it names that method "draft_model".
+    method = cfg.get("method", "draft" if "model" in cfg else "ngram")
+    method = "draft" if method == "draft_model" else method
     if method not in ALGORITHMS:
         raise ConfigError(f"--speculative-config: method {method!r} is not supported; choose one of: "
-                          f"{', '.join(ALGORITHMS)} (a draft model is not supported yet)")
+                          f"{', '.join(ALGORITHMS)}")
     out: dict[str, Any] = {"speculative_algorithm": method}
+    if "model" in cfg:
+        out["speculative_draft_model_path"] = str(cfg["model"])
     for key, field_name in (("num_speculative_tokens", "speculative_num_draft_tokens"),
                             ("prompt_lookup_max", "speculative_ngram_max_match_window_size"),
                             ("prompt_lookup_min", "speculative_ngram_min_match_window_size")):
@@ -209,6 +220,9 @@ class SpecState:
     pause: int = 0  # decode steps left without proposals
     pause_len: int = 8  # the next pause's length (doubles after each pause, up to 256)
     draft: list[int] = field(default_factory=list)  # this step's proposal
+    # With a draft model: the tokens whose KV the draft holds for this request, and their slots in its pool.
+    draft_ids: list[int] = field(default_factory=list)
+    draft_slots: list[int] = field(default_factory=list)
 
     def after_verify(self, proposed: int, accepted: int, max_k: int) -> None:
         """Adapt k to the outcome (HF's heuristic schedule: +2 when all were taken, down to what was taken
@@ -284,6 +298,7 @@ class Proposer:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * config.num_draft_tokens
         self.guard = RateGuard() if config.guard else None
+        self.draft_model: Any = None  # `draft`: a servelm.model_executor.draft.DraftModel, attached by the builder
 
     def allows(self, batch: int) -> bool:
         """Whether requests may draft in a step where `batch` of them decode."""
@@ -306,6 +321,8 @@ class Proposer:
         if k <= 0:
             return []
         c = self.config
+        if c.algorithm == "draft":
+            return self.draft_model.propose(state, context, k) if self.draft_model is not None else []
         n, draft = lookup(context, k, c.min_match, c.max_match)
         if self.suffix is not None and n < c.max_match:
             n2, draft2 = self.suffix.lookup(context, k)
@@ -323,6 +340,11 @@ class Proposer:
     def finished(self, ids: list[int]) -> None:
         if self.suffix is not None:
             self.suffix.add(ids)
+
+    def release(self, state: SpecState | None) -> None:
+        """A request ended: the draft model's KV for it goes back."""
+        if state is not None and self.draft_model is not None:
+            self.draft_model.release(state)
 
     def info(self) -> dict[str, Any]:
         """/server_info's speculative fields (vLLM's counter names)."""

@@ -58,8 +58,17 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
 
         disk = DiskPrefixCache(server_args.prefix_cache_dir, runner.model_path, runner.kv_cache,
                                int(server_args.prefix_cache_size_gb * 1e9))
-    return Scheduler(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size, runner.model_info(),
-                     on_shutdown=lambda: _shutdown(runner, workers), disk_cache=disk)
+    scheduler = Scheduler(runner, runner.tokenizer, cfg, runner.eos_token_ids, runner.vocab_size,
+                          runner.model_info(), on_shutdown=lambda: _shutdown(runner, workers), disk_cache=disk)
+    spec = cfg.speculative
+    if spec is not None and spec.algorithm == "draft" and scheduler.spec is not None:
+        from servelm.model_executor.draft import DraftModel
+
+        # Room for the context of every request that may speculate at once, and their drafts.
+        tokens = min(runner.num_pages * server_args.page_size,
+                     spec.max_batch * (runner.max_context_len + spec.num_draft_tokens))
+        scheduler.spec.draft_model = DraftModel(server_args, str(spec.draft_model_path), runner.vocab_size, tokens)
+    return scheduler
 
 
 def _is_encoder(model_path: str) -> bool:

@@ -607,6 +607,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> TokenOut:
         req.finish_reason = reason
         req.draft = []
+        if self.spec is not None:
+            self.spec.release(req.spec)
         if self.spec is not None and reason.type != "abort":
             self.spec.finished(req.all_ids)
         if self.disk is not None and req.pages and reason.type != "abort":

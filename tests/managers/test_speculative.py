@@ -227,8 +227,8 @@ def test_flags_and_vllm_config() -> None:
     assert args.replace(port=1).spec_config() == cfg
     assert ServerArgs(speculative_algorithm="NGRAM").spec_config().algorithm == "ngram"
     assert ServerArgs().spec_config() is None
-    with pytest.raises(ConfigError, match="draft model is not supported yet"):
-        ServerArgs(speculative_algorithm="draft")
+    with pytest.raises(ConfigError, match="not supported; choose one of: ngram, suffix, draft"):
+        ServerArgs(speculative_algorithm="eagle")
     with pytest.raises(ConfigError, match="num-draft-tokens must be in"):
         ServerArgs(speculative_algorithm="ngram", speculative_num_draft_tokens=0)
     with pytest.raises(ConfigError, match="unsupported keys draft_model"):
