@@ -290,13 +290,36 @@ class Scheduler:
         """Draft tokens for a decoding request ([] when it cannot speculate): never more than its output may
         still take beside the model's own token, nor past the context limit."""
         assert self.spec is not None
-        if req.matcher is not None or req.label_ids:  # constrained or scoring: plain decoding
+        # Scoring, or a constraint gated behind the model's thinking: plain decoding.
+        if req.label_ids or (req.matcher is not None and req.gate):
             return []
         if req.spec is None:
             req.spec = self.spec.new_state()
         limit = min(budget, req.params.max_new_tokens - len(req.output_ids) - 1,
                     self.max_context_len - req.seq_len - 1)
-        return self.spec.propose(req.spec, req.all_ids, limit, decoding)
+        draft = self.spec.propose(req.spec, req.all_ids, limit, decoding)
+        if draft and req.matcher is not None:  # only what the constraint would take; never past its end
+            draft = draft[:req.matcher.validate_tokens(draft)]
+        return draft
+
+    @staticmethod
+    def _draft_masks(req: Req) -> list[bytes | None]:
+        """A constrained request's verify rows: row j's allowed tokens, the constraint's after the draft's first
+        j tokens (fed to the matcher, then rolled back). A row after a token that ends the constraint gets
+        None: it is only reached when that token was accepted, and the request then stops there."""
+        if req.matcher is None:
+            return [None] * (len(req.draft) + 1)
+        masks: list[bytes | None] = [req.matcher.compute_bitmask()]
+        consumed = 0
+        for token in req.draft:
+            if req.matcher.is_stopped() or not req.matcher.consume_token(token):
+                masks.append(None)
+                continue
+            consumed += 1
+            masks.append(None if req.matcher.is_stopped() else req.matcher.compute_bitmask())
+        if consumed:
+            req.matcher.rollback(consumed)
+        return masks
 
     def _match_prefix(self, req: Req) -> None:
         # The last token is never matched: it must be computed to get logits for the next one. Nor is a
@@ -380,6 +403,7 @@ class Scheduler:
                 positions.extend(range(start, end))
                 out_loc.extend(new_slots)
                 verify[id(req)] = []
+                masks = self._draft_masks(req)
                 for j in range(n):
                     extend_lens.append(1)
                     kv_indices.append(req.slots[: start + j + 1])
@@ -387,7 +411,8 @@ class Scheduler:
                     logits_rows.append(first_row + j)
                     verify[id(req)].append(len(rows))
                     rows.append(SamplingRow(req.params, req.seed, req.sample_index, req.seq_len + j, req.prompt_ids,
-                                            req.output_ids + req.draft[:j], self._banned_ids(req, j)))
+                                            req.output_ids + req.draft[:j], self._banned_ids(req, j),
+                                            allowed=masks[j]))
                     sampled.append(req)
                 continue
             input_ids.extend(ids[start:end])

@@ -151,3 +151,32 @@ def test_server_reports_acceptance(tiny_llama, tmp_path) -> None:
         assert 'servelm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"}' in metrics
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_structured_output_speculates_and_keeps_its_tokens() -> None:
+    """A constrained request drafts too: only what the constraint accepts, each verify row under the
+    constraint's mask after the draft before it; the tokens are those without speculation (JSON greedy, a regex
+    seeded)."""
+    import json
+
+    text = "the quick brown fox jumps over the lazy dog and the quick brown fox jumps over the lazy dog again"
+    prompts = [f"<|im_start|>user\nRepeat exactly, as JSON with a key text: {text}<|im_end|>\n<|im_start|>assistant\n",
+               f"Copy: {text}\nCopy: {text}\nCopy:"]
+    schema = json.dumps({"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]})
+    params = [{"max_new_tokens": 60, "temperature": 0, "json_schema": schema},
+              {"max_new_tokens": 60, "temperature": 0.7, "seed": 3, "regex": "[a-z ]{10,300}"}]
+    plain = Engine(max_total_tokens=4096)
+    try:
+        base = plain.generate(prompt=prompts, sampling_params=params)
+    finally:
+        plain.shutdown()
+    spec = Engine(max_total_tokens=4096, speculative_algorithm="ngram")
+    try:
+        outs = spec.generate(prompt=prompts, sampling_params=params)
+        info = spec.server_info()
+    finally:
+        spec.shutdown()
+    assert [o["output_ids"] for o in outs] == [b["output_ids"] for b in base]
+    assert json.loads(outs[0]["text"])["text"]
+    assert info["spec_decode_num_drafts"] >= 2 and info["spec_decode_num_accepted_tokens"] > 0
