@@ -162,7 +162,7 @@ async def _startup(state: ServerState) -> None:
                         info.get("max_context_length", "?"), args.host, args.port)
         if state.replicas:
             logger.info("%d data-parallel replicas serve (%s dispatch): %s", len(state.replicas),
-                        args.load_balance_method, "; ".join(f"replica {r.rank} on CPUs {r.cpu_text}"
+                        manager.dispatcher.method, "; ".join(f"replica {r.rank} on CPUs {r.cpu_text}"
                                                              for r in state.replicas))
             await _watch_replicas(state)
             return

@@ -489,6 +489,7 @@ def merge_replica_info(dispatcher: DataParallelDispatcher, infos: dict[int, dict
     whole), and each replica's own state, load and dispatch count under `replicas`."""
     ok = [info for info in infos.values() if "error" not in info]
     merged: dict[str, Any] = dict(ok[0]) if ok else {}
+    merged.pop("pid", None)  # a replica's own
     for key in merged:
         if (key in _SUMMED or key.endswith("_total") or key.startswith("spec_decode_num_")) and all(
                 isinstance(i.get(key), int) for i in ok):
