@@ -84,6 +84,7 @@ class SchedulerLoop:
         # A data-parallel replica tags its answers and publishes its prefix cache's events (the API process
         # dispatches on a mirror of it); a lone scheduler does neither.
         self.dp_rank = dp_rank or 0
+        self._replica = dp_rank is not None
         cache = getattr(scheduler, "cache", None)
         self._cache = cache if dp_rank is not None and hasattr(cache, "events") else None
         if self._cache is not None:
@@ -154,7 +155,7 @@ class SchedulerLoop:
                 info = dict(sched.server_info())
             except Exception as exc:
                 info = {"error": str(exc)}
-            if self._cache is not None or self.dp_rank:
+            if self._replica:
                 info["pid"] = os.getpid()  # a replica's process, for an operator (or a test) to find
             self.send.send(encode(ServerInfoOut(info, dp_rank=self.dp_rank)))
         else:
