@@ -122,12 +122,13 @@ class ServelmServer:
             raise RuntimeError(f"the servelm server's /health answered {r.status_code}")
 
     def _stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        proc = getattr(self, "proc", None)  # None when __init__ failed before starting it
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(30)
+                proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                proc.kill()
 
     def __del__(self) -> None:
         self._stop()
