@@ -39,7 +39,8 @@ class CompactStep:
     hidden_indices: list[int] = field(default_factory=list)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token (or slot) lists."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the usual case (a list grew), compared in C
         return n
@@ -68,7 +69,7 @@ class StepEncoder:
         kv = []
         for key, slots in zip(step.row_keys, step.kv_indices, strict=True):
             old = self._tables.get(key)
-            keep = _common_prefix(old, slots) if old is not None else 0
+            keep = common_prefix(old, slots) if old is not None else 0
             kv.append((key, keep, slots[keep:]))
             tables[key] = list(slots)  # a copy: the scheduler extends a request's own list in place
         self._tables = tables

@@ -127,20 +127,26 @@ class PrefixMirror:
             self.tokens -= len(n.key)
             stack.extend(n.children.values())
 
-    def remove(self, tokens: Sequence[int], keep: int) -> None:
-        """The replica evicted tokens[keep:], the tail of one of its leaves: drop what only that tail holds.
-        A node of the tail that other sequences still pass through stays (in a token trie, sibling pages that
-        begin with the same tokens share a node)."""
+    def _whole_path(self, tokens: Sequence[int]) -> list[tuple[_Node, int]] | None:
+        """The nodes that spell exactly `tokens`, each with the depth it starts at; None when the tree does not
+        hold `tokens` as whole nodes."""
         seq = tuple(tokens)
-        path: list[tuple[_Node, int]] = []  # the nodes along seq, each with the depth it starts at
+        path: list[tuple[_Node, int]] = []
         node, pos = self.root, 0
         while pos < len(seq):
             child = node.children.get(seq[pos])
             if child is None or _common(child.key, seq, pos) < len(child.key):
-                return  # not held as a whole path: nothing to do (or the mirror is behind; it heals on insert)
+                return None
             path.append((child, pos))
             node, pos = child, pos + len(child.key)
-        for node, start in reversed(path):
+        return path
+
+    def remove(self, tokens: Sequence[int], keep: int) -> None:
+        """The replica evicted tokens[keep:], the tail of one of its leaves: drop what only that tail holds.
+        A node of the tail that other sequences still pass through stays (in a token trie, sibling pages that
+        begin with the same tokens share a node)."""
+        # Not held as a whole path: nothing to do (or the mirror is behind; it heals on insert).
+        for node, start in reversed(self._whole_path(tokens) or []):
             if node.children or start + len(node.key) <= keep:
                 return
             if start >= keep:
@@ -151,19 +157,13 @@ class PrefixMirror:
                 return
 
     def release(self, tokens: Sequence[int]) -> None:
-        """Drop one `insert` of exactly these tokens (counted trees)."""
-        seq = tuple(tokens)
-        node, pos = self.root, 0
-        while pos < len(seq):
-            child = node.children.get(seq[pos])
-            if child is None:
+        """Drop one `insert` of exactly these tokens (counted trees): a node no sequence passes through any more
+        goes, with what is below it."""
+        for node, _ in self._whole_path(tokens) or []:
+            node.count -= 1
+            if node.count <= 0:
+                self._drop(node)
                 return
-            k = _common(child.key, seq, pos)
-            child.count -= 1
-            if child.count <= 0:
-                self._drop(child)
-                return
-            node, pos = child, pos + k
 
     def apply(self, event: Sequence[Any]) -> None:
         """One event of a replica's cache: ["+", tokens] stored, ["-", tokens, keep] evicted past keep,
@@ -284,7 +284,7 @@ def replica_cpu_sets(dp_size: int, spec: str | None, available: Sequence[int]) -
     CPUs split into `dp_size` contiguous, near-equal runs. ValueError with a one-line reason."""
     available = sorted(available)
     if spec is not None:
-        parts = [p for p in spec.split(";")]
+        parts = spec.split(";")
         if len(parts) != dp_size:
             raise ValueError(f"--dp-cpus gives {len(parts)} CPU set(s) for --dp-size {dp_size}; give one per replica, "
                              "separated by ';'")

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from servelm.config import ConfigError, ServerArgs
+from servelm.distributed.step_codec import common_prefix
 from servelm.managers.schedule_batch import StepInput
 from servelm.mem_cache.allocator import PageAllocator
 from servelm.sampling_params import SamplingParams, SamplingRow
@@ -26,16 +27,6 @@ from servelm.sampling_params import SamplingParams, SamplingRow
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 class DraftModel:
@@ -69,7 +60,7 @@ class DraftModel:
 
     def propose(self, state: Any, context: list[int], k: int) -> list[int]:
         """Up to k greedy draft tokens after `context` ([] when the draft's pool is full)."""
-        keep = min(_common_prefix(state.draft_ids, context), len(context) - 1)  # the last token feeds the draft
+        keep = min(common_prefix(state.draft_ids, context), len(context) - 1)  # the last token feeds the draft
         self.allocator.free(state.draft_slots[keep:])
         del state.draft_slots[keep:]
         del state.draft_ids[keep:]
