@@ -57,6 +57,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class GroupProcess:
+    """A command in a session (process group) of its own, logging to a file; `stop` ends the whole group: SIGTERM,
+    then SIGKILL after `timeout` seconds."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
 class ServerProcess:
     """`python -m servelm serve <args>` in a subprocess, logging to a file."""
 

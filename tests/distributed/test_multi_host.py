@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +21,7 @@ import pytest
 
 from servelm.entrypoints.engine import Engine
 from tests.distributed.netns import Hosts, make_hosts
-from tests.server_fixtures import REPO_ROOT, STEP_DELAY_ENV
+from tests.server_fixtures import REPO_ROOT, STEP_DELAY_ENV, GroupProcess
 
 pytestmark = pytest.mark.slow  # starts servers and rank processes
 
@@ -41,7 +40,7 @@ def tp1_tokens(tiny_llama: tuple[Path, Any]) -> list[list[int]]:
         engine.shutdown()
 
 
-class Node:
+class Node(GroupProcess):
     """`servelm serve --node-rank i` on host i, logging to a file."""
 
     def __init__(self, hosts: Hosts, i: int, model: Path, log: Path, *extra: str,
@@ -50,26 +49,9 @@ class Node:
                 "--max-total-tokens", "2048", "--tp-size", "2", "--nnodes", "2", "--node-rank", str(i),
                 "--dist-init-addr", f"{hosts.addr(0)}:{RDV_PORT}", "--host", hosts.addr(i), "--port", str(PORT),
                 *extra]
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
         full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
         full_env.pop("GLOO_SOCKET_IFNAME", None)
-        self.proc = subprocess.Popen(hosts.command(i, argv), cwd=REPO_ROOT, env=full_env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int | None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
-        return self.proc.returncode
+        super().__init__(hosts.command(i, argv), log, full_env, REPO_ROOT)
 
 
 def _start_pair(hosts: Hosts, model: Path, tmp_path: Path, *extra: str,

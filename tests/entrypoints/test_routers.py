@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_fixtures import ServerProcess, free_port
+from tests.server_fixtures import GroupProcess, ServerProcess, free_port
 from tests.tools import ROUTERS, install
 
 pytestmark = pytest.mark.slow  # installs routers, starts servers
@@ -29,7 +28,7 @@ pytestmark = pytest.mark.slow  # installs routers, starts servers
 TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 
 
-class Router:
+class Router(GroupProcess):
     def __init__(self, name: str, urls: list[str], policy: str, log: Path) -> None:
         bin_dir = install(name)
         self.name = name
@@ -40,13 +39,7 @@ class Router:
                 "vllm-router": [exe]}[name]
         argv = [*head, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *urls, "--policy", policy,
                 "--health-check-interval-secs", "1", "--prometheus-port", str(free_port())]
-        self.log_path = log
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "NO_COLOR": "1"})
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        super().__init__(argv, log, {**os.environ, "NO_COLOR": "1"})
 
     def healthy_workers(self) -> int:
         try:
@@ -72,15 +65,6 @@ class Router:
             r = httpx.post(f"{self.url}/workers", json={"url": url}, timeout=TIMEOUT)
         assert r.status_code in (200, 202), r.text
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
 
 
 def _workers(model: Path, tmp: Path, n: int, first: int = 0) -> list[ServerProcess]:
