@@ -274,6 +274,7 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   buf.assign(2 * kNr * ld, 0.0f);
   float* dn = buf.data();
   float* mn = dn + kNr * ld;
+  const bool streamed = I8 && stream_rows(x, w.KB);  // one weight row at a time: see stream_rows
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
     if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, std::min<int64_t>(kNr, w.N - n - kAhead));
@@ -285,9 +286,10 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
         if (Traits<F>::has_min) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
       }
     }
+    const bool tile = nr == kNr && !streamed;
     for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
       const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));
-      if (nr == kNr) {
+      if (tile) {
         rows<F, kNr, I8>(r, x, w, n, i0, dn, mn, ld, bias, y);
       } else {
         for (int j = 0; j < nr; ++j) rows<F, 1, I8>(r, x, w, n + j, i0, dn + j * ld, mn + j * ld, ld, bias, y);
