@@ -274,7 +274,7 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   buf.assign(2 * kNr * ld, 0.0f);
   float* dn = buf.data();
   float* mn = dn + kNr * ld;
-  const bool streamed = I8 && stream_rows(x, w.KB);  // one weight row at a time: see stream_rows
+  const bool streamed = stream_rows(x, w.KB);  // one weight row at a time: see stream_rows
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
     if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, std::min<int64_t>(kNr, w.N - n - kAhead));

@@ -157,13 +157,13 @@ struct XQ {
   const int32_t* corr = nullptr;
 };
 
-// Whether the int8 micro-kernel walks a thread's weight rows one at a time instead of in tiles of 4 rows: then
-// it reads them as one sequential stream (the rows are consecutive), which this memory serves better than four
+// Whether the micro-kernels walk a thread's weight rows one at a time instead of in tiles of 4 rows: then they
+// read them as one sequential stream (the rows are consecutive), which this memory serves better than four
 // streams a row apart. Two threads reading 1 GB on a 2-core Zen 5 EPYC, 8 rows prefetched ahead: one stream
-// 41-43 GB/s, four rows of 1,152 bytes in lockstep 31-33. The Llama-3.2-1B shape's Q4_K_M matrices at M = 1:
-// 24-29 ms instead of 31-35 in one run, 29.2 against 33.6 in another (rounds interleaved). Short rows (the
-// default model's K = 576: a tile's four rows are 1.2 KB, one stream already) and 3+ rows of x (the tiles
-// reuse each x load across weight rows) keep the tiles (docs/measurements/quant-kernels.md, eighth session).
+// 41-43 GB/s, four rows of 1,152 bytes in lockstep 31-33. The Llama-3.2-1B shape's matrices at M = 1, rounds
+// interleaved: Q4_K_M 22.4 against 26.1 ms, Q8_0 (the int16 scheme) 39 against 46. Short rows (the default
+// model's K = 576: a tile's four rows are 1.2 KB, one stream already) and 3+ rows of x (the tiles reuse each x
+// load across weight rows) keep the tiles (docs/measurements/quant-kernels.md, eighth session).
 constexpr int64_t kStreamMaxRows = 2;
 constexpr int64_t kStreamMinBlocks = 64;  // 1 KB of nibbles a row
 inline bool stream_rows(const XQ& x, int64_t kb) { return x.M <= kStreamMaxRows && kb >= kStreamMinBlocks; }
