@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from servelm.config import ConfigError, ServerArgs
+from servelm.kernels import quant
 from servelm.layers.kernel_choice import KernelChoice, freeze_kernels
 from servelm.layers.sampler import sample
 from servelm.managers.schedule_batch import SampleOutput, StepInput
@@ -109,6 +110,8 @@ class ModelRunner:
             self.model = model_cls(config, self.dtype, max_positions=max_positions)
         self._load_weights(source)
         self.model.eval()
+        if self.device.type == "cpu":  # the quantised matrices in one huge-page buffer, in execution order
+            quant.pack_weights([qw for m in self.model.modules() for qw in _quant_weights(m)])
         self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
         # The kernels, chosen once and frozen into the model's modules (no process-wide switch is read later).
         self.kernels = KernelChoice.resolve(server_args.enable_deterministic_inference)
@@ -368,3 +371,10 @@ class ModelRunner:
                 "weight_bytes": self.weight_bytes, **self.kv_cache.describe(),
                 **({"task": "embed", "embedding_dimensions": self.config.hidden_size, "pooling": self.pooling.mode,
                     "normalize": self.pooling.normalize} if self.pooling is not None else {})}
+
+
+def _quant_weights(module: Any) -> list[Any]:
+    """The QuantWeights a module holds: a linear's weight or its parts, an embedding's lookup blocks."""
+    parts = getattr(module, "qweight_parts", None) or []
+    return [qw for qw in (getattr(module, "qweight", None), *parts, getattr(module, "lookup_qweight", None))
+            if qw is not None]

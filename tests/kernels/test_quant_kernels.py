@@ -385,6 +385,25 @@ def test_rows_streamed_one_at_a_time_give_the_tiles_bits(path, fmt):
         _check_close(quant.linear(x[:2], qw, invariant=True), x[:2], qw, None)
 
 
+def test_pack_weights_moves_every_field_into_one_buffer():
+    """`quant.pack_weights` (the model runner's, after loading): each weight's fields become 64-byte aligned views
+    of one buffer, a weight held twice (a tied head) is packed once, and every value and output stays the same."""
+    g = torch.Generator().manual_seed(41)
+    ws = [_weight(67, 70, "q4_1", seed=1)[1], _random_k("q6_k", 13, 256, seed=2)[1], _weight(5, 64, "q5_0", seed=3)[1]]
+    ws.append(ws[0])
+    xs = [torch.randn(3, w.shape[1], generator=g) for w in ws]
+    before = [(quant.dequantize(w), quant.linear(x, w)) for w, x in zip(ws, xs, strict=True)]
+    fields = sum(1 for w in ws[:3] for t in w.tensors() if t is not None)
+    assert quant.pack_weights(ws) >= sum(w.nbytes for w in ws[:3])
+    tensors = [t for w in ws[:3] for t in w.tensors() if t is not None]
+    assert len(tensors) == fields
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.data_ptr() % 64 == 0 and t.is_contiguous() for t in tensors)
+    for w, x, (deq, y) in zip(ws, xs, before, strict=True):
+        assert torch.equal(quant.dequantize(w), deq) and torch.equal(quant.linear(x, w), y)
+    assert quant.pack_weights([]) == 0
+
+
 @pytest.mark.parametrize("fmt", K_QUANTS)
 def test_k_quant_row_and_column_operations(fmt):
     _, qw = _random_k(fmt, 10, 768, seed=9)
