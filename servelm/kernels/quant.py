@@ -28,6 +28,7 @@ see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumula
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from functools import cache
 
@@ -281,9 +282,10 @@ def pack_weights(weights: list[QuantWeight]) -> int:
 
     Why: a small model's matrices are many tensors under numpy's 4 MB huge-page threshold, so its decode step
     reads ~100 MB through 4 KB pages, a TLB miss every 4 KB of a stream, which a VM's nested page walk makes
-    dear. The default model's 30 decode layers, read from memory, in one process interleaved: 174 against 188
-    us a layer (docs/measurements/quant-kernels.md, eighth session). Large tensors already had huge pages (the
-    Llama-3.2-1B shape: no change). The bits of every field are copied as they are."""
+    dear. The default model's 30 decode layers read from memory, against the same fields in tensors of their own,
+    interleaved in one process: 0.947x and 0.945x the time in two runs (docs/measurements/quant-kernels.md,
+    eighth session). Large tensors already had huge pages (the Llama-3.2-1B shape). The bits of every field are
+    copied as they are; the RSS after loading is unchanged."""
     seen: set[int] = set()
     todo: list[QuantWeight] = []
     for qw in weights:
@@ -310,6 +312,8 @@ def pack_weights(weights: list[QuantWeight]) -> int:
 
 def _advise_huge(addr: int, length: int) -> None:
     """madvise(MADV_HUGEPAGE) where the OS has it (Linux); elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
     try:
         import ctypes
 
@@ -320,6 +324,7 @@ def _advise_huge(addr: int, length: int) -> None:
 
 
 def _trim_heap() -> None:
+    """glibc's malloc_trim(0): freed heap pages back to the OS (no-op where there is no glibc)."""
     try:
         import ctypes
 
