@@ -27,6 +27,7 @@ see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumula
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from dataclasses import dataclass
@@ -274,61 +275,52 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
 
 _FIELDS = ("qs", "d", "m", "qh", "qh2", "sc")
 _HUGE = 2 << 20  # a transparent huge page
+# Fields of at least this size stay where they are: numpy advises huge pages for arrays from 4 MB on, and
+# packing the Llama-3.2-1B shape's (all of its 813 MB) gained nothing measurable and took 1.75 s of its start-up.
+_PACK_BELOW = 4 << 20
 
 
 def pack_weights(weights: list[QuantWeight]) -> int:
-    """Move the fields of `weights` (each once, in the order given: a model's execution order) into one buffer
-    advised for transparent huge pages; returns its bytes.
+    """Move the fields under 4 MB of `weights` (each weight once, in the order given: a model's execution order)
+    into one buffer advised for transparent huge pages; returns its bytes.
 
     Why: a small model's matrices are many tensors under numpy's 4 MB huge-page threshold, so its decode step
     reads ~100 MB through 4 KB pages, a TLB miss every 4 KB of a stream, which a VM's nested page walk makes
     dear. The default model's 30 decode layers read from memory, against the same fields in tensors of their own,
     interleaved in one process: 0.947x and 0.945x the time in two runs (docs/measurements/quant-kernels.md,
-    eighth session). Large tensors already had huge pages (the Llama-3.2-1B shape). The bits of every field are
-    copied as they are; the RSS after loading is unchanged."""
+    eighth session). The bits of every field are copied as they are; the RSS after loading is unchanged."""
     seen: set[int] = set()
-    todo: list[QuantWeight] = []
+    fields: list[tuple[QuantWeight, str, torch.Tensor, int]] = []  # (weight, field, tensor, its aligned bytes)
     for qw in weights:
-        if id(qw) not in seen:
-            seen.add(id(qw))
-            todo.append(qw)
-    sizes = [(qw, f, t, t.numel() * t.element_size()) for qw in todo for f in _FIELDS
-             if (t := getattr(qw, f)) is not None]
-    total = sum(-(-nb // 64) * 64 for *_, nb in sizes)
+        if id(qw) in seen:
+            continue
+        seen.add(id(qw))
+        for f in _FIELDS:
+            t = getattr(qw, f)
+            if t is not None and (nb := t.numel() * t.element_size()) < _PACK_BELOW:
+                fields.append((qw, f, t, -(-nb // 64) * 64))
+    total = sum(size for *_, size in fields)
     if total == 0:
         return 0
     buf = torch.empty(total + _HUGE, dtype=torch.uint8)
-    start = -buf.data_ptr() % _HUGE  # huge-page aligned
-    _advise_huge(buf.data_ptr() + start, total)
-    at = start
-    for qw, f, t, nb in sizes:
-        dst = buf[at: at + nb].view(t.dtype).view(t.shape)
+    at = -buf.data_ptr() % _HUGE  # huge-page aligned
+    _libc("madvise", ctypes.c_void_p(buf.data_ptr() + at), ctypes.c_size_t(total), 14, linux_only=True)  # MADV_HUGEPAGE
+    for qw, f, t, size in fields:
+        dst = buf[at: at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         dst.copy_(t)
         setattr(qw, f, dst)
-        at += -(-nb // 64) * 64
-    _trim_heap()  # the small fields' old copies were malloc'd: give their pages back
+        at += size
+    _libc("malloc_trim", ctypes.c_size_t(0))  # the old copies were malloc'd: give their pages back
     return total
 
 
-def _advise_huge(addr: int, length: int) -> None:
-    """madvise(MADV_HUGEPAGE) where the OS has it (Linux); elsewhere nothing."""
-    if not sys.platform.startswith("linux"):
+def _libc(name: str, *args: object, linux_only: bool = False) -> None:
+    """Call C library function `name` where this platform's C library has it (madvise, glibc's malloc_trim);
+    elsewhere nothing: both only help."""
+    if linux_only and not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), 14)  # MADV_HUGEPAGE
-    except (OSError, AttributeError):
-        pass
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0): freed heap pages back to the OS (no-op where there is no glibc)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).malloc_trim(0)
+        getattr(ctypes.CDLL(None), name)(*args)
     except (OSError, AttributeError):
         pass
 

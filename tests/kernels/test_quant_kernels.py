@@ -404,6 +404,19 @@ def test_pack_weights_moves_every_field_into_one_buffer():
     assert quant.pack_weights([]) == 0
 
 
+def test_pack_weights_leaves_large_fields_where_they_are(monkeypatch):
+    """Fields from `_PACK_BELOW` bytes on (numpy gave those huge pages already) are not copied."""
+    monkeypatch.setattr(quant, "_PACK_BELOW", 1024)
+    qw = _weight(67, 70, "q4_1", seed=1)[1]  # qs 67 x 48 bytes; d and m 67 x 3 x 2
+    qs = qw.qs
+    x = torch.randn(2, 70, generator=torch.Generator().manual_seed(42))
+    y = quant.linear(x, qw)
+    assert quant.pack_weights([qw]) == 2 * 448  # d and m, each 402 bytes rounded up to 64
+    assert qw.qs is qs and qw.d.untyped_storage().data_ptr() == qw.m.untyped_storage().data_ptr() != \
+        qs.untyped_storage().data_ptr()
+    assert torch.equal(quant.linear(x, qw), y)
+
+
 @pytest.mark.parametrize("fmt", K_QUANTS)
 def test_k_quant_row_and_column_operations(fmt):
     _, qw = _random_k(fmt, 10, 768, seed=9)
