@@ -197,9 +197,13 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
     hj[0][j] = Traits<F>::planes >= 1 ? w.qh + (n + j) * kp : nullptr;
     hj[1][j] = Traits<F>::planes >= 2 ? w.qh2 + (n + j) * kp : nullptr;
   }
-  const auto pair = [&](int64_t b, auto whole_c) {
+  // Pair (b, b + 1) in half `half_c` of quad b / 4 of x's layout: the half a compile-time constant and the quad
+  // loop below unrolled by it, so that the x offsets are constants off one base per quad (computing the pair's
+  // place in the quad from b had been half of the loop's instructions, all scalar).
+  const auto pair = [&](int64_t b, auto whole_c, auto half_c) {
     constexpr bool whole = decltype(whole_c)::value;
-    const int64_t quad = b / 4, half = (b / 2) % 2;  // the pair's place in x's quad layout
+    constexpr int64_t half = decltype(half_c)::value;
+    const int64_t quad = b / 4;
     const int64_t qo = quad * 4 * kBlock + half * 32, so = quad * 16 + half * 8, co = quad * 32 + half * 8;
 #pragma GCC unroll 2
     for (int j = 0; j < NR; ++j) {
@@ -244,9 +248,16 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
       }
     }
   };
-  const int64_t kw = kb / 2 * 2;
-  for (int64_t b = 0; b < kw; b += 2) pair(b, std::true_type{});
-  if (kw < kb) pair(kw, std::false_type{});
+  using H0 = std::integral_constant<int64_t, 0>;
+  using H1 = std::integral_constant<int64_t, 1>;
+  const int64_t k4 = kb / 4 * 4;
+  for (int64_t b = 0; b < k4; b += 4) {
+    pair(b, std::true_type{}, H0{});
+    pair(b + 2, std::true_type{}, H1{});
+  }
+  if (k4 + 2 <= kb) pair(k4, std::true_type{}, H0{});  // the row's last 1-3 blocks
+  if (k4 + 2 < kb) pair(k4 + 2, std::false_type{}, H1{});
+  else if (k4 + 1 == kb) pair(k4, std::false_type{}, H0{});
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) {
       float v = hsum8(acc[j][r]);
