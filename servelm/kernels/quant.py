@@ -5,9 +5,10 @@ A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one);
-* `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K; Q6_K's fifth and
-  sixth (+16, +32); int64 [N, 2 * ceil(KB / 4)], two words per quad of blocks (four blocks' k 0..15, then
-  their k 16..31) in the order the AVX-512 kernels' lanes come (see `_quad_planes`);
+* `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
+  4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
+  kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
+  int64 [N, 4 * ceil(KB / 4)], 32 bytes a quad (see `_quad_crumbs`);
 * `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
@@ -54,7 +55,7 @@ class BlockFormat:
     payload: int  # bytes of codes per 32-weight block (qs)
     offset: int = 0  # value = scale * (code - offset) (+ min)
     has_min: bool = False  # a minimum added to each value (q4_1, q5_1; Q4_K/Q5_K: -dmin * 6-bit min)
-    planes: int = 0  # bit planes over the nibbles: q5 1 (qh, +16), Q6_K 2 (qh, qh2: +16, +32)
+    planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32: crumbs in qh)
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
 
     @property
@@ -170,6 +171,30 @@ def _quad_planes(words: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(out)).view(torch.int64)
 
 
+def _quad_crumbs(high: np.ndarray) -> torch.Tensor:
+    """Q6_K's high bits, 0..3 [N, KB, 32] (element k of each block) -> int64 [N, 4 * ceil(KB / 4)]: 32 bytes a
+    quad of blocks (csrc/quant_common.h `crumb_at`). With L the quad's low-nibble bytes in the kernels' order
+    (block 4q + e's k 0..15 at 16e + k) and H its high-nibble ones (k 16..31), byte t holds the crumbs of L[t]
+    (bits 0-1), L[32 + t] (2-3), H[t] (4-5) and H[32 + t] (6-7): a pair of blocks, half of a quad, shifts the
+    32 bytes once and masks them."""
+    n, kb = high.shape[:2]
+    h = np.asarray(high, dtype=np.uint8)
+    if kb % 4:
+        h = np.pad(h, ((0, 0), (0, 4 - kb % 4), (0, 0)))
+    q = h.reshape(n, -1, 4, 2, 16)  # [n, quad, e, k // 16, k % 16]
+    lo, hi = q[:, :, :, 0].reshape(n, -1, 2, 32), q[:, :, :, 1].reshape(n, -1, 2, 32)  # [n, quad, s, t]
+    out = lo[:, :, 0] | (lo[:, :, 1] << 2) | (hi[:, :, 0] << 4) | (hi[:, :, 1] << 6)
+    return torch.from_numpy(np.ascontiguousarray(out).reshape(n, -1).view(np.int64))
+
+
+def _crumb_codes(crumbs: torch.Tensor, kb: int) -> torch.Tensor:
+    """The inverse of `_quad_crumbs`: int32 [N, KB, 32], each element's high bits 0..3."""
+    c = crumbs.contiguous().view(torch.uint8).reshape(crumbs.shape[0], -1, 1, 32).to(torch.int32)
+    parts = (c >> torch.tensor([0, 2, 4, 6], dtype=torch.int32).view(1, 1, 4, 1)) & 3  # L[t], L[32+t], H[t], H[32+t]
+    lo, hi = parts[:, :, :2].reshape(c.shape[0], -1, 4, 16), parts[:, :, 2:].reshape(c.shape[0], -1, 4, 16)
+    return torch.cat([lo, hi], dim=-1).reshape(c.shape[0], -1, 32)[:, :kb]
+
+
 def _block_words(quads: torch.Tensor, kb: int) -> np.ndarray:
     """The inverse of `_quad_planes`: uint32 [N, KB]."""
     p = quads.contiguous().numpy().view(np.uint64).reshape(quads.shape[0], -1, 2, 1)
@@ -235,8 +260,7 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     high = (blocks[:, 128:192].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
     high = high.reshape(n, kb, 32)
     scales = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208])).view(n, kb, 2)
-    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _quad_planes(_words(high & 1)),
-                       _quad_planes(_words(high >> 1)), scales)
+    return QuantWeight(fmt, (n, k), _nibbles(codes), half(208), None, _quad_crumbs(high), None, scales)
 
 
 def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
@@ -371,6 +395,9 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         q = qs.to(torch.int32)
     else:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
+        if qw.fmt == "q6_k":  # crumbs: the two high bits together
+            q = q | (_crumb_codes(qh, qw.blocks) << 4)
+            qh = None
         for shift, plane in ((4, qh), (5, qh2)):
             if plane is not None:  # per-block words: bit j is element j's
                 words = torch.from_numpy(_block_words(plane, qw.blocks).astype(np.int64))
@@ -564,6 +591,8 @@ def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
     def cols(t: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "super":
             return t[:, b0 // per: (b0 + nb) // per].contiguous()
+        if kind == "plane" and qw.fmt == "q6_k":  # crumbs: whole quads (k-quant splits are whole super-blocks)
+            return t[:, b0: b0 + -(-nb // 4) * 4].contiguous()
         if kind == "plane":  # quads of blocks: regrouped from the blocks' own words
             return _quad_planes(_block_words(t, qw.blocks)[:, b0: b0 + nb])
         return t[:, b0: b0 + nb].contiguous()

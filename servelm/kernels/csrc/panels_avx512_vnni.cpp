@@ -66,7 +66,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
     row_scales_ref(w, row, s0j, s1j, kbg);
     const uint8_t* q = w.qs + row * kb * 16;
     const uint64_t* h1 = Traits<F>::planes >= 1 ? w.qh + row * kp : nullptr;
-    const uint64_t* h2 = Traits<F>::planes >= 2 ? w.qh2 + row * kp : nullptr;
+    const uint64_t* h2 = Traits<F>::planes >= 2 && !Traits<F>::crumbs ? w.qh2 + row * kp : nullptr;
     for (int64_t g = 0; g < G; ++g) {
       __m512i tl[4], th[4];
       for (int e = 0; e < 4; ++e) {
@@ -79,11 +79,13 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
         const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);
         __m512i lo = _mm512_and_si512(raw, low4);
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        if constexpr (Traits<F>::planes >= 1) {
+        if constexpr (Traits<F>::crumbs) {  // whole quads (k-quants): no tail
+          add_crumbs_quad(reinterpret_cast<const uint8_t*>(h1 + b), lo, hi);
+        } else if constexpr (Traits<F>::planes >= 1) {
           lo = _mm512_mask_add_epi8(lo, h1[b / 2] & tail, lo, sixteen);
           hi = _mm512_mask_add_epi8(hi, h1[b / 2 + 1] & tail, hi, sixteen);
         }
-        if constexpr (Traits<F>::planes >= 2) {
+        if constexpr (Traits<F>::planes >= 2 && !Traits<F>::crumbs) {
           lo = _mm512_mask_add_epi8(lo, h2[b / 2] & tail, lo, thirty_two);
           hi = _mm512_mask_add_epi8(hi, h2[b / 2 + 1] & tail, hi, thirty_two);
         }

@@ -115,7 +115,7 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
         wa[j] = _mm256_and_si256(v, low4);
         wb[j] = _mm256_srli_epi16(v, 4);
         for (int p = 0; p < Traits<F>::planes; ++p) {  // plane bits 0..15 go to wa's words, 16..31 to wb's
-          const uint32_t h = block_word(p ? w.qh2 : w.qh, w, n + j, b);
+          const uint32_t h = block_plane(w, p, n + j, b);
           const __m256i v = _mm256_set1_epi16(p ? 32 : 16);
           wa[j] = _mm256_or_si256(wa[j], plane_bits(h & 0xFFFFu, v));
           wb[j] = _mm256_or_si256(wb[j], plane_bits(h >> 16, v));
@@ -195,7 +195,7 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
   for (int j = 0; j < NR; ++j) {
     qj[j] = w.qs + (n + j) * qstride;
     hj[0][j] = Traits<F>::planes >= 1 ? w.qh + (n + j) * kp : nullptr;
-    hj[1][j] = Traits<F>::planes >= 2 ? w.qh2 + (n + j) * kp : nullptr;
+    hj[1][j] = Traits<F>::planes >= 2 && !Traits<F>::crumbs ? w.qh2 + (n + j) * kp : nullptr;
   }
   // Pair (b, b + 1) in half `half_c` of quad b / 4 of x's layout: the half a compile-time constant and the quad
   // loop below unrolled by it, so that the x offsets are constants off one base per quad (computing the pair's
@@ -213,7 +213,9 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
                                 : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       __m256i lo = _mm256_and_si256(raw, low4);
       __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-      for (int pl = 0; pl < Traits<F>::planes; ++pl) {
+      if constexpr (Traits<F>::crumbs) {  // the quad's 32 crumb bytes at word 4 * quad
+        add_crumbs_pair<half>(reinterpret_cast<const uint8_t*>(hj[0][j] + quad * 4), lo, hi);
+      } else for (int pl = 0; pl < Traits<F>::planes; ++pl) {
         const uint64_t* q = hj[pl][j] + quad * 2;
         const __m256i v = _mm256_set1_epi8(pl ? 32 : 16);
         lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(q[0] >> (32 * half)), v));

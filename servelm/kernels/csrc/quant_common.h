@@ -10,6 +10,8 @@
 // Every output element is therefore one fixed sequence of operations on its own row of x and of W, whatever
 // M is, however rows are grouped into micro-tiles and however threads split N: batch-invariant.
 #pragma once
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -32,7 +34,10 @@ template <Fmt F>
 struct Traits {
   static constexpr bool nibbles = F != Q8_0;  // qs holds 16 bytes of nibble pairs, not 32 int8
   static constexpr bool has_min = F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K;
-  static constexpr int planes = F == Q6_K ? 2 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 1 : 0;
+  static constexpr int planes = F == Q6_K ? 2 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 1 : 0;  // bits over the nibble
+  // Q6_K's two high bits are 2-bit fields ("crumbs") in qh, 32 bytes a quad of blocks (see crumb_at), not two
+  // bit planes: the int8 kernels add them with a shift and a mask where two planes took ten ops (AVX2).
+  static constexpr bool crumbs = F == Q6_K;
   static constexpr bool has_qh = planes > 0;
   static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K;  // scales derived per super-block
   static constexpr bool split = F == Q6_K;
@@ -66,6 +71,7 @@ SERVELM_TRAIT(fmt_has_min, has_min)
 SERVELM_TRAIT(fmt_planes, planes)
 SERVELM_TRAIT(fmt_kquant, kquant)
 SERVELM_TRAIT(fmt_split, split)
+SERVELM_TRAIT(fmt_crumbs, crumbs)
 SERVELM_TRAIT(fmt_offset, offset)
 SERVELM_TRAIT(fmt_payload, payload)
 #undef SERVELM_TRAIT
@@ -93,8 +99,8 @@ struct QWeight {
   Fmt fmt;
 };
 
-// Plane words per row.
-inline int64_t plane_stride(const QWeight& w) { return (w.KB + 3) / 4 * 2; }
+// Plane words per row (Q6_K: crumb words, four a quad).
+inline int64_t plane_stride(const QWeight& w) { return (w.KB + 3) / 4 * (fmt_crumbs(w.fmt) ? 4 : 2); }
 
 // Where element k of block b lies in a row's plane words: word 2 * (b / 4) holds the quad's k 0..15, word
 // 2 * (b / 4) + 1 its k 16..31, bits 16 * (b % 4) + (k % 16).
@@ -106,6 +112,54 @@ inline uint32_t block_word(const uint64_t* plane, const QWeight& w, int64_t n, i
   const uint64_t* q = plane + n * plane_stride(w) + b / 4 * 2;
   const int sh = static_cast<int>(b & 3) * 16;
   return static_cast<uint32_t>((q[0] >> sh) & 0xFFFFu) | (static_cast<uint32_t>((q[1] >> sh) & 0xFFFFu) << 16);
+}
+
+// Q6_K's crumbs: the two high bits of every code of a quad of blocks in 32 bytes. With L = the quad's 64 low-
+// nibble bytes [4q k 0..15, 4q+1 k 0..15, 4q+2 .., 4q+3 ..] and H its high-nibble bytes (the same blocks' k
+// 16..31), the int8 kernels' two 64-byte halves of a quad, byte t (0..31) holds the crumbs of L[t] (bits 0-1),
+// L[32 + t] (bits 2-3), H[t] (bits 4-5) and H[32 + t] (bits 6-7): a pair of blocks (the quad's first or second
+// half, 32 bytes of L and of H) takes the 32 bytes shifted so that its crumbs are bits 4-5, then masked.
+inline int crumb_at(const uint8_t* row, int64_t b, int k) {
+  const int idx = static_cast<int>(b & 3) * 16 + (k & 15);
+  const int sh = 2 * (idx >> 5) + (k >= 16 ? 4 : 0);
+  return (row[b / 4 * 32 + (idx & 31)] >> sh) & 3;
+}
+
+// The 32 bits of block b of row n in plane p (bit k = element k's bit 4 + p), for the paths that go block by
+// block: the plane words as they are, or Q6_K's crumbs gathered (bit 7 of each byte shifted in, one movemask
+// per 16 elements; SSE2, which every x86-64 has).
+inline uint32_t block_plane(const QWeight& w, int p, int64_t n, int64_t b) {
+  if (!fmt_crumbs(w.fmt)) return block_word(p ? w.qh2 : w.qh, w, n, b);
+  const uint8_t* c = reinterpret_cast<const uint8_t*>(w.qh + n * plane_stride(w)) + b / 4 * 32 + 16 * (b & 1);
+  const int s = 2 * static_cast<int>((b >> 1) & 1) + p;  // block b's crumb bits: s (k 0..15), s + 4 (k 16..31)
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+  const auto bits = [&](int at) {
+    return static_cast<uint32_t>(_mm_movemask_epi8(_mm_sll_epi16(v, _mm_cvtsi32_si128(7 - at)))) & 0xFFFFu;
+  };
+  return bits(s) | (bits(s + 4) << 16);
+}
+
+// A quad's crumbs added to its codes (AVX-512 BW): lo, hi the quad's 64 low- and high-nibble bytes (L, H),
+// c32 its 32 crumb bytes. Broadcast to both 256-bit halves, shifted per half so the crumbs are bits 4-5, then
+// lo | (t & 0x30) in one ternary-logic op: five ops a quad where two bit planes took four mask loads and four
+// masked adds.
+__attribute__((target("avx512f,avx512bw"))) inline void add_crumbs_quad(const uint8_t* c32, __m512i& lo,
+                                                                          __m512i& hi) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32)));
+  const __m512i lo_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);  // L[t], L[32 + t]
+  const __m512i hi_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // H[t], H[32 + t]
+  const __m512i m = _mm512_set1_epi8(0x30);
+  lo = _mm512_ternarylogic_epi32(lo, _mm512_sllv_epi16(v, lo_shift), m, 0xF8);  // lo | (t & m)
+  hi = _mm512_ternarylogic_epi32(hi, _mm512_srlv_epi16(v, hi_shift), m, 0xF8);
+}
+
+// The same for one pair of blocks on AVX2 (half 0 or 1 of its quad: 32 bytes of L and of H).
+template <int H>
+__attribute__((target("avx2"))) inline void add_crumbs_pair(const uint8_t* c32, __m256i& lo, __m256i& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32));
+  const __m256i m = _mm256_set1_epi8(0x30);
+  lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(v, 4 - 2 * H), m));
+  hi = _mm256_or_si256(hi, _mm256_and_si256(H ? _mm256_srli_epi16(v, 2) : v, m));
 }
 
 // Prefetches into L2 the fields of rows [n, n + rows) other than the codes (scales, minimums, the k-quants' scale
@@ -123,7 +177,7 @@ inline void prefetch_fields(const QWeight& w, int64_t n, int64_t rows) {
   if (Traits<F>::kquant) lines(w.sc, n * w.KB * 2, rows * w.KB * 2);
   const int64_t ps = plane_stride(w) * 8;
   if (Traits<F>::planes >= 1) lines(w.qh, n * ps, rows * ps);
-  if (Traits<F>::planes >= 2) lines(w.qh2, n * ps, rows * ps);
+  if (Traits<F>::planes >= 2 && !Traits<F>::crumbs) lines(w.qh2, n * ps, rows * ps);
 }
 
 // The integer code of element k (0..31) of block b of row n (the scalar reference of every path).
@@ -131,6 +185,8 @@ inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
+  if (fmt_crumbs(w.fmt))
+    return (q | crumb_at(reinterpret_cast<const uint8_t*>(w.qh + n * plane_stride(w)), b, k) << 4) - fmt_offset(w.fmt);
   const int64_t at = n * plane_stride(w) + plane_word(b, k);
   if (w.qh) q |= static_cast<int>((w.qh[at] >> plane_bit(b, k)) & 1u) << 4;
   if (w.qh2) q |= static_cast<int>((w.qh2[at] >> plane_bit(b, k)) & 1u) << 5;

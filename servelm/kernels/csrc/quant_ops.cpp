@@ -226,12 +226,14 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   TORCH_CHECK(present(m) == fmt_has_min(f), "m is given exactly for the formats with a minimum");
   if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
   const int planes = fmt_planes(f);
-  TORCH_CHECK(present(qh) == (planes >= 1) && present(qh2) == (planes >= 2), "qh/qh2 do not match the format");
+  const bool crumbs = fmt_crumbs(f);  // Q6_K: one field of crumbs, four words a quad
+  TORCH_CHECK(present(qh) == (planes >= 1) && present(qh2) == (planes >= 2 && !crumbs),
+              "qh/qh2 do not match the format");
   for (const auto* t : {&qh, &qh2})
     if (present(*t))
       TORCH_CHECK((*t)->is_contiguous() && (*t)->scalar_type() == at::kLong && (*t)->dim() == 2 &&
-                  (*t)->size(0) == N && (*t)->size(1) == (KB + 3) / 4 * 2,
-                  "qh layout: int64 [N, 2 * ceil(KB / 4)]");
+                  (*t)->size(0) == N && (*t)->size(1) == (KB + 3) / 4 * (crumbs ? 4 : 2),
+                  crumbs ? "qh layout: int64 [N, 4 * ceil(KB / 4)]" : "qh layout: int64 [N, 2 * ceil(KB / 4)]");
   TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
   if (kq)
     TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->dim() == 3 && sc->size(0) == N &&

@@ -63,7 +63,7 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
     __m128i lo = _mm_and_si128(raw, low4);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
     for (int p = 0; p < planes; ++p) {
-      const uint32_t h = block_word(p ? w.qh2 : w.qh, w, n, b);
+      const uint32_t h = block_plane(w, p, n, b);
       const __m128i v = _mm_set1_epi8(p ? 32 : 16);
       lo = _mm_or_si128(lo, plane_bits(h & 0xFFFFu, v));
       hi = _mm_or_si128(hi, plane_bits(h >> 16, v));

@@ -65,12 +65,12 @@ static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, i
   regroup16(rows, 16, out);
 }
 
-// The plane words (qh or qh2) of the 16 rows of group g, block b (zeros for rows past N or no plane).
-static inline __m512i group_plane(const uint64_t* plane, const QWeight& w, int64_t t0, int g, int64_t b) {
-  if (!plane) return _mm512_setzero_si512();
+// Plane p's words of the 16 rows of group g, block b (zeros for rows past N or no such plane).
+static inline __m512i group_plane(int p, const QWeight& w, int64_t t0, int g, int64_t b) {
+  if (fmt_planes(w.fmt) <= p) return _mm512_setzero_si512();
   alignas(64) uint32_t h[16] = {0};
   const int64_t n0 = t0 + g * 16;
-  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = block_word(plane, w, n0 + i, b);
+  for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i) h[i] = block_plane(w, p, n0 + i, b);
   return _mm512_load_si512(h);
 }
 
@@ -131,7 +131,7 @@ static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileSca
   for (int g = 0; g < kGroups; ++g) {
     const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
     const __m512 mv = has_min || split ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
-    const __m512i p0 = group_plane(w.qh, w, t0, g, b), p1 = group_plane(w.qh2, w, t0, g, b);
+    const __m512i p0 = group_plane(0, w, t0, g, b), p1 = group_plane(1, w, t0, g, b);
     float* o = out + g * 16;
     for (int half = 0; half < payload / 16; ++half) {
       __m512i cols[4];
@@ -193,7 +193,7 @@ static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, c
   const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
   const __m512 mv = has_min || split ? _mm512_loadu_ps(sc.m.data() + b * kTile + g * 16) : _mm512_setzero_ps();
-  const __m512i p0 = group_plane(w.qh, w, t0, g, b), p1 = group_plane(w.qh2, w, t0, g, b);
+  const __m512i p0 = group_plane(0, w, t0, g, b), p1 = group_plane(1, w, t0, g, b);
   for (int half = 0; half < payload / 16; ++half) {
     __m512i cols[4];
     group_bytes(w, t0, g, b, half, cols);
