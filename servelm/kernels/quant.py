@@ -125,7 +125,8 @@ class QuantWeight:
 
     def replace(self, fn, shape: tuple[int, int]) -> QuantWeight:
         """The same format with `fn(field, kind)` applied to each present field: kind "block" (a column per
-        32-weight block), "super" (d and m of the k-quants: one per super-block) or "plane" (qh, qh2)."""
+        32-weight block), "super" (d and m of the k-quants: one per super-block) or "plane" (qh, qh2: plane words,
+        or Q6_K's crumbs, per quad of blocks)."""
         sb = block_format(self.fmt).super_block
         kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block")
         fields = [None if t is None else fn(t, kind) for t, kind in zip(self.tensors(), kinds, strict=True)]
@@ -216,8 +217,9 @@ _FROM_K_ROWS = 4096
 
 def _from_k(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     """A weight from k-quant super-blocks `blocks` uint8 [n * nsb, bytes]: the same bits, rearranged into
-    32-weight blocks (nibbles in the q4 layout, fifth/sixth bits as plane words per quad of blocks, each block's
-    two scale bytes) beside the super-blocks' fp16 d (and dmin); `_FROM_K_ROWS` rows at a time."""
+    32-weight blocks (nibbles in the q4 layout, Q5_K's fifth bits as plane words per quad of blocks, Q6_K's high
+    bits as crumbs, each block's two scale bytes) beside the super-blocks' fp16 d (and dmin); `_FROM_K_ROWS` rows
+    at a time."""
     nsb = k // SUPER
     if n <= _FROM_K_ROWS:
         return _from_k_rows(blocks, fmt, n, k)
