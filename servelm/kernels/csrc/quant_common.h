@@ -36,7 +36,8 @@ struct Traits {
   static constexpr bool has_min = F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K;
   static constexpr int planes = F == Q6_K ? 2 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 1 : 0;  // bits over the nibble
   // Q6_K's two high bits are 2-bit fields ("crumbs") in qh, 32 bytes a quad of blocks (see crumb_at), not two
-  // bit planes: the int8 kernels add them with a shift and a mask where two planes took ten ops (AVX2).
+  // bit planes: the int8 kernels add them with a shift and a mask a half quad, where two planes took 24 ops a
+  // pair of blocks on AVX2.
   static constexpr bool crumbs = F == Q6_K;
   static constexpr bool has_qh = planes > 0;
   static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K;  // scales derived per super-block
