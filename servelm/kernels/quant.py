@@ -55,7 +55,8 @@ class BlockFormat:
     payload: int  # bytes of codes per 32-weight block (qs)
     offset: int = 0  # value = scale * (code - offset) (+ min)
     has_min: bool = False  # a minimum added to each value (q4_1, q5_1; Q4_K/Q5_K: -dmin * 6-bit min)
-    planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32: crumbs in qh)
+    planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32)
+    crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
 
     @property
@@ -77,7 +78,7 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 4, 16, has_min=True, planes=1),
     BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 5, 16, has_min=True, super_block=True),
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 6, 16, has_min=True, planes=1, super_block=True),
-    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, super_block=True),
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, crumbs=True, super_block=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
 QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block)  # `quantize` writes these
@@ -91,8 +92,9 @@ TILES_MIN_ROWS = 10  # int16 scheme: rows of x from which `linear` takes the fp3
 # tests/models/test_quantized_quality.py). Many rows leave the micro-kernel for `linear_tiles`, the
 # int8 panel GEMM (csrc/panels_avx512_vnni.cpp, csrc/panels_avx2.cpp), at the measured crossovers: on AVX-512
 # VNNI from PANEL_MIN_ROWS (Q6_K, whose micro-kernel is the slowest: Q6K_PANEL_MIN_ROWS); on AVX2 from
-# INT8_TILES_MIN_ROWS, or for the formats with bit planes (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is bound by
-# expanding them, 65-118 GFLOP/s against the panel's 97-155 at 12-32 rows) from PLANES_INT8_TILES_MIN_ROWS
+# INT8_TILES_MIN_ROWS, or for the formats with bits over the nibbles (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is
+# bound by adding them, 65-118 GFLOP/s against the panel's 97-155 at 12-32 rows; with Q6_K's crumbs the
+# micro-kernel and the panel were even between 12 and 16 rows, Q5_K's at about 16) from PLANES_INT8_TILES_MIN_ROWS
 # (docs/measurements/quant-kernels.md).
 PANEL_MIN_ROWS = 64
 Q6K_PANEL_MIN_ROWS = 16
@@ -397,7 +399,7 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         q = qs.to(torch.int32)
     else:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
-        if qw.fmt == "q6_k":  # crumbs: the two high bits together
+        if f.crumbs:  # the two high bits together
             q = q | (_crumb_codes(qh, qw.blocks) << 4)
             qh = None
         for shift, plane in ((4, qh), (5, qh2)):
@@ -593,7 +595,7 @@ def narrow_cols(qw: QuantWeight, start: int, length: int) -> QuantWeight:
     def cols(t: torch.Tensor, kind: str) -> torch.Tensor:
         if kind == "super":
             return t[:, b0 // per: (b0 + nb) // per].contiguous()
-        if kind == "plane" and qw.fmt == "q6_k":  # crumbs: whole quads (k-quant splits are whole super-blocks)
+        if kind == "plane" and block_format(qw.fmt).crumbs:  # whole quads (k-quant splits: whole super-blocks)
             return t[:, b0: b0 + -(-nb // 4) * 4].contiguous()
         if kind == "plane":  # quads of blocks: regrouped from the blocks' own words
             return _quad_planes(_block_words(t, qw.blocks)[:, b0: b0 + nb])

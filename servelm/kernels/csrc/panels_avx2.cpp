@@ -55,8 +55,8 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (row * kb + b) * 16));
       __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
       if constexpr (Traits<F>::crumbs) {  // block b's 16 crumb bytes: k 0..15 at bits 2s, k 16..31 at 4 + 2s
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(
-            reinterpret_cast<const uint8_t*>(w.qh + row * plane_stride(w)) + b / 4 * 32 + 16 * (b & 1)));
+        const __m128i v =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(crumb_row(w, row) + b / 4 * 32 + 16 * (b & 1)));
         const int s2 = 2 * static_cast<int>((b >> 1) & 1);
         const __m128i m = _mm_set1_epi8(0x30);
         c = _mm256_or_si256(c, _mm256_set_m128i(_mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(s2)), m),

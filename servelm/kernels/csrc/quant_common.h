@@ -120,6 +120,11 @@ inline uint32_t block_word(const uint64_t* plane, const QWeight& w, int64_t n, i
 // 16..31), the int8 kernels' two 64-byte halves of a quad, byte t (0..31) holds the crumbs of L[t] (bits 0-1),
 // L[32 + t] (bits 2-3), H[t] (bits 4-5) and H[32 + t] (bits 6-7): a pair of blocks (the quad's first or second
 // half, 32 bytes of L and of H) takes the 32 bytes shifted so that its crumbs are bits 4-5, then masked.
+// Q6_K: the crumb bytes of quad q of row n start at crumb_row(w, n) + 32 q.
+inline const uint8_t* crumb_row(const QWeight& w, int64_t n) {
+  return reinterpret_cast<const uint8_t*>(w.qh + n * plane_stride(w));
+}
+
 inline int crumb_at(const uint8_t* row, int64_t b, int k) {
   const int idx = static_cast<int>(b & 3) * 16 + (k & 15);
   const int sh = 2 * (idx >> 5) + (k >= 16 ? 4 : 0);
@@ -131,7 +136,7 @@ inline int crumb_at(const uint8_t* row, int64_t b, int k) {
 // per 16 elements; SSE2, which every x86-64 has).
 inline uint32_t block_plane(const QWeight& w, int p, int64_t n, int64_t b) {
   if (!fmt_crumbs(w.fmt)) return block_word(p ? w.qh2 : w.qh, w, n, b);
-  const uint8_t* c = reinterpret_cast<const uint8_t*>(w.qh + n * plane_stride(w)) + b / 4 * 32 + 16 * (b & 1);
+  const uint8_t* c = crumb_row(w, n) + b / 4 * 32 + 16 * (b & 1);
   const int s = 2 * static_cast<int>((b >> 1) & 1) + p;  // block b's crumb bits: s (k 0..15), s + 4 (k 16..31)
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
   const auto bits = [&](int at) {
@@ -187,7 +192,7 @@ inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
   if (fmt_crumbs(w.fmt))
-    return (q | crumb_at(reinterpret_cast<const uint8_t*>(w.qh + n * plane_stride(w)), b, k) << 4) - fmt_offset(w.fmt);
+    return (q | crumb_at(crumb_row(w, n), b, k) << 4) - fmt_offset(w.fmt);
   const int64_t at = n * plane_stride(w) + plane_word(b, k);
   if (w.qh) q |= static_cast<int>((w.qh[at] >> plane_bit(b, k)) & 1u) << 4;
   if (w.qh2) q |= static_cast<int>((w.qh2[at] >> plane_bit(b, k)) & 1u) << 5;
