@@ -1,10 +1,11 @@
-"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, and the k-quants Q4_K, Q5_K,
-Q6_K) kept at their own bits, and the matmul over them.
+"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the k-quants Q4_K,
+Q5_K, Q6_K) kept at their own bits, and the matmul over them.
 
 A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight blocks in the layout the
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
-  (element j in the low nibble of byte j, element j + 16 in the high one);
+  (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's nibbles index llama.cpp's
+  table of 16 int8 values (`IQ4_VALUES`);
 * `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
   4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
   kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
@@ -17,7 +18,8 @@ KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple 
 file's bytes (1.00x for Q6_K, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to bytes).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
-`d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K, fp32).
+`d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
+`d * IQ4_VALUES[q]` for IQ4_NL, fp32).
 `linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 / scalar, chosen at run time,
 built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
 then matmul. The kernel multiplies the weights' integer codes with x rounded per block of 32 to integer codes:
@@ -58,6 +60,8 @@ class BlockFormat:
     planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32)
     crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
+    # the nibble indexes `IQ4_VALUES` (IQ4_NL); the kernels take value + 128 as an unsigned code (offset 128)
+    lut: bool = False
 
     @property
     def file_block(self) -> int:
@@ -79,9 +83,13 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 5, 16, has_min=True, super_block=True),
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 6, 16, has_min=True, planes=1, super_block=True),
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, crumbs=True, super_block=True),
+    BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8, 16, offset=128, lut=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
-QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block)  # `quantize` writes these
+# `quantize` writes these (gguf-py's reference rounding; it has none for the k-quants or IQ4_NL)
+QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block and not row.lut)
+# IQ4_NL's (and IQ4_XS's) values, llama.cpp's kvalues_iq4nl: csrc/quant_common.h kIq4Values
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BLOCK = 32
 SUPER = 256
 TORCH_ROWS = 4096  # weight rows dequantised at once on the torch fallback
@@ -397,6 +405,8 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     f = block_format(qw.fmt)
     if qw.fmt == "q8_0":
         q = qs.to(torch.int32)
+    elif f.lut:  # the table's values: the offset is already out
+        q = torch.tensor(IQ4_VALUES, dtype=torch.int32)[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()] + f.offset
     else:
         q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).to(torch.int32)
         if f.crumbs:  # the two high bits together
@@ -514,14 +524,18 @@ def isa_index(backend: str | None = None) -> int:
 
 def activation_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear`'s micro-kernel rounds x for a weight in `fmt` (decode; every row count in deterministic mode):
-    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats: per block of 32,
-    d = amax / 127, vpdpbusd / vpmaddubsw),
+    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats (IQ4_NL not on avx2_i8):
+    per block of 32, d = amax / 127, vpdpbusd / vpmaddubsw),
     "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path).
     `backend`: a kernel path (default: the process's)."""
     backend = backend or kernel_backend()
     if backend == "torch":
         return "fp32"
-    return "int8" if backend in _RUNS_ON and fmt != "q8_0" else "int16"
+    if backend not in _RUNS_ON or fmt == "q8_0":
+        return "int16"
+    # AVX2's vpmaddubsw sums pairs of products in int16: IQ4_NL's codes (up to 241) would saturate them, so it keeps
+    # the int16 scheme there (csrc/quant_ops.cpp int8_for)
+    return "int16" if backend == "avx2_i8" and block_format(fmt).lut else "int8"
 
 
 def batch_invariant(backend: str | None = None) -> bool:

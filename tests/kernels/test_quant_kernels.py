@@ -321,17 +321,20 @@ def test_torch_fallback_dequantises_a_slice_of_rows_at_a_time(monkeypatch):
         quant.force_backend(None)
 
 
+# formats gguf-py cannot quantise (the k-quants, IQ4_NL): random blocks (`random_k_quant`)
 K_QUANTS = tuple(f for f in quant.FORMATS if f not in quant.QUANTIZE_FORMATS)
+SUPER = tuple(f for f in K_QUANTS if quant.block_format(f).super_block)
 @pytest.mark.parametrize("fmt", K_QUANTS)
 def test_k_quant_blocks_hold_ggufs_values_in_the_files_bytes(fmt):
-    """The k-quants are kept at their own bits: rearranged into 32-weight blocks, they dequantise to gguf's own
-    values bit for bit (the nibble, bit-plane and scale layouts) in at most 1.03x the file's bytes."""
+    """The k-quants (and IQ4_NL) are kept at their own bits: rearranged into 32-weight blocks, they dequantise to
+    gguf's own values bit for bit (the nibble, bit-plane, scale and lookup layouts) in at most 1.03x the file's
+    bytes."""
     n, k = 7, 768
     raw, qw = _random_k(fmt, n, k, seed=8)
     assert qw.fmt == fmt and qw.shape == (n, k)
     expected = gguf_dequantize(raw, GGML[fmt]).reshape(n, k)
     assert np.array_equal(quant.dequantize(qw).numpy(), expected)
-    assert raw.nbytes <= qw.nbytes <= 1.03 * raw.nbytes  # Q6_K 1.0x; Q4_K/Q5_K unpack 12 scale bytes to 16
+    assert raw.nbytes <= qw.nbytes <= 1.03 * raw.nbytes  # Q6_K, IQ4_NL 1.0x; Q4_K/Q5_K unpack 12 scale bytes to 16
     ids = torch.tensor([[0, 6], [3, 3]])
     assert torch.equal(quant.embedding(ids, qw), quant.dequantize(qw)[ids])
 
@@ -359,8 +362,12 @@ def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
         assert torch.equal(quant.linear(x[m: m + 1], qw), full[m: m + 1])
 
 
-@pytest.mark.parametrize("path", INT8_PATHS)
-@pytest.mark.parametrize("fmt", K_QUANTS)
+def _int8_cases(formats) -> list[tuple[str, str]]:
+    """(format, path) where the path's micro-kernel takes the int8 scheme (not IQ4_NL on avx2_i8)."""
+    return [(f, p) for f in formats for p in INT8_PATHS if quant.activation_scheme(f, p) == "int8"]
+
+
+@pytest.mark.parametrize(("fmt", "path"), _int8_cases(K_QUANTS))
 def test_k_quant_int8_scheme_matches_its_reference(fmt, path):
     _check_int8_scheme(_random_k(fmt, 75, 512, seed=6)[1], 512, seed=5, path=path)
 
@@ -372,7 +379,7 @@ def test_rows_streamed_one_at_a_time_give_the_tiles_bits(path, fmt):
     walk the weight rows one at a time, one sequential stream; from three rows of x in tiles of four weight
     rows. Each output's operations are the same either way: the same bits (deterministic mode's batch
     invariance), over N not a multiple of four and, for the 32-weight formats, a partial last quad."""
-    k = 2048 if fmt in K_QUANTS else 2048 + 96
+    k = 2048 if fmt in SUPER else 2048 + 96
     qw = _random_k(fmt, 67, k, seed=31)[1] if fmt in K_QUANTS else _weight(67, k, fmt, seed=31)[1]
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(32))
     x[0, :32] *= 1000
@@ -433,23 +440,28 @@ def test_k_quant_row_and_column_operations(fmt):
     # the same codes and block products; only the fp32 summation order differs: a few ulps of the sum of |terms|
     terms = x.abs() @ full.abs().T
     assert bool(((split - quant.linear(x, qw)).abs() <= 1e-6 * terms).all())
-    with pytest.raises(ValueError, match="multiples of 256"):
-        quant.narrow_cols(qw, 128, 128)  # inside a super-block: its d and scales cannot be split
     with pytest.raises(ValueError, match="not one of"):
         quant.quantize(torch.zeros(2, 256), fmt)
+    if fmt not in SUPER:  # IQ4_NL: 32-weight blocks, written back as they came
+        raw, qw = _random_k(fmt, 10, 768, seed=9)
+        assert np.array_equal(quant.to_gguf(qw), raw)
+        assert torch.equal(quant.dequantize(quant.narrow_cols(qw, 96, 64)), full[:, 96:160])
+        return
+    with pytest.raises(ValueError, match="multiples of 256"):
+        quant.narrow_cols(qw, 128, 128)  # inside a super-block: its d and scales cannot be split
     with pytest.raises(ValueError, match="32-weight formats"):
         quant.to_gguf(qw)
 
 
-@pytest.mark.parametrize("path", INT8_PATHS)
-@pytest.mark.parametrize("fmt", [f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS))
+@pytest.mark.parametrize(("fmt", "path"),
+                         _int8_cases([f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS)))
 def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
     """The panel GEMM (many rows on the int8 paths) rounds x to the micro-kernel's int8 codes and sums the same
     exact int32 block products, in another fp32 order: within fp32 rounding of the micro-kernel's rows, over
     N not a multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows
     (K = 4,608 from 70 rows) and outer blocks (500 rows), blocks of very different scales, and a bias."""
     g = torch.Generator().manual_seed(21)
-    shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in K_QUANTS else ((67, 70), (13, 575), (40, 4608))
+    shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in SUPER else ((67, 70), (13, 575), (40, 4608))
     try:
         quant.force_backend(path)
         for n, k in shapes:
@@ -469,3 +481,13 @@ def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
                     assert torch.equal(quant.linear(x, qw, bias), many)
     finally:
         quant.force_backend(None)
+
+
+def test_iq4_nl_keeps_the_int16_scheme_on_avx2():
+    """IQ4_NL's codes (table value + 128, up to 241) would saturate vpmaddubsw's int16 pair sums: on avx2_i8 it
+    takes the int16 micro-kernel and the fp32 tiles; on AVX-512 VNNI the int8 micro-kernel and panel GEMM."""
+    assert quant.activation_scheme("iq4_nl", "avx2_i8") == "int16"
+    assert quant.many_rows_scheme("iq4_nl", "avx2_i8") == "fp32"
+    assert quant.tiles_min_rows("iq4_nl", "avx2_i8") == quant.TILES_MIN_ROWS
+    assert quant.activation_scheme("iq4_nl", "avx512_vnni_i8") == "int8"
+    assert quant.many_rows_scheme("iq4_nl", "avx512_vnni_i8") == "int8"

@@ -72,18 +72,35 @@ def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
     return np.ascontiguousarray(blocks).reshape(n, -1)
 
 
-_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # byte offsets of the fp16 d (and dmin)
+def quantize_iq4_nl(arr: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks of a float [N, K] array (K a multiple of 32), uint8 [N, bytes_per_row]: per block of 32,
+    d = the largest-magnitude value / -127 (llama.cpp's starting scale, without its search), each weight the
+    nearest of the table's 16 values."""
+    n, k = arr.shape
+    x = arr.astype(np.float32).reshape(-1, 32)
+    values = np.array(quant.IQ4_VALUES, np.float32)
+    extreme = x[np.arange(len(x)), np.abs(x).argmax(-1)]
+    d = (extreme / -127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.nan_to_num(x / d.astype(np.float32)[:, None])
+    q = np.abs(scaled[..., None] - values).argmin(-1).astype(np.uint8)  # [blocks, 32]
+    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    return np.ascontiguousarray(blocks).reshape(n, -1)
+
+
+_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,)}  # byte offsets of the fp16 d (and dmin)
 
 
 def random_k_quant(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, quant.QuantWeight]:
-    """Random k-quant super-blocks (any scale, min and code bits are valid) with fp16 d/dmin in [1e-4, 1e-2]."""
+    """Random blocks of a format gguf-py cannot quantise (the k-quants, IQ4_NL): any scale, min and code bits
+    are valid, with fp16 d/dmin in [1e-4, 1e-2]. K not a multiple of the block is padded, as in a file."""
     rng = np.random.default_rng(seed)
     row = quant.block_format(fmt)
-    blocks = rng.integers(0, 256, size=(n * k // 256, quant.bytes_per_block(fmt)), dtype=np.uint8)
+    nblk = -(-k // row.file_block)
+    blocks = rng.integers(0, 256, size=(n * nblk, quant.bytes_per_block(fmt)), dtype=np.uint8)
     for at in _D_AT[fmt]:
         blocks[:, at: at + 2] = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
     raw = blocks.reshape(n, -1)
-    assert row.super_block and raw.shape[1] == k // 256 * quant.bytes_per_block(fmt)
     return raw, quant.from_gguf(raw, fmt, (n, k))
 
 
@@ -154,6 +171,8 @@ def write_gguf(
                 w.add_tensor(gguf_name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
             else:
                 w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        elif quantize == "IQ4_NL" and arr.ndim == 2:  # gguf-py cannot write it either
+            w.add_tensor(gguf_name, quantize_iq4_nl(arr), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         elif quantize and arr.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quantize]
             w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

@@ -236,6 +236,7 @@ def test_deterministic_mode_rows_do_not_depend_on_the_batch(backend: str | None)
     ("Qwen3ForCausalLM", "qwen3", "Q4_1", {"head_dim": 16, "tie_word_embeddings": False}),
     ("Qwen2ForCausalLM", "qwen2", "Q5_0", {"tie_word_embeddings": True}),  # what a small Qwen's Q4_K_M mostly is
     ("LlamaForCausalLM", "llama", "Q5_1", {"tie_word_embeddings": False}),
+    ("LlamaForCausalLM", "llama", "IQ4_NL", {"tie_word_embeddings": False}),  # nibbles through a table
 ])
 def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, arch: str, gguf_arch: str, fmt: str,
                                                     extra: dict) -> None:

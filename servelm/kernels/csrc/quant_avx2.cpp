@@ -110,8 +110,14 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
         wa[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         wb[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
       } else {
-        const __m256i v = _mm256_cvtepu8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16)));
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16));
+        if constexpr (Traits<F>::lut) {  // IQ4_NL: the nibbles' signed values (kIq4Values), no offset
+          const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), m = _mm_set1_epi8(0x0f);
+          wa[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(raw, m)));
+          wb[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(raw, 4), m)));
+          continue;
+        }
+        const __m256i v = _mm256_cvtepu8_epi16(raw);
         wa[j] = _mm256_and_si256(v, low4);
         wb[j] = _mm256_srli_epi16(v, 4);
         for (int p = 0; p < Traits<F>::planes; ++p) {  // plane bits 0..15 go to wa's words, 16..31 to wb's

@@ -21,8 +21,8 @@ namespace servelm_quant {
 // The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
 // Every format is read as 32-weight blocks of integer codes; the k-quants (Q4_K, Q5_K, Q6_K: 256-weight
 // super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py).
-enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7 };
-constexpr int64_t kNumFmts = 8;
+enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8 };
+constexpr int64_t kNumFmts = 9;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 
@@ -30,6 +30,7 @@ constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 //   code = nibble (+ 16 * plane-0 bit) (+ 32 * plane-1 bit) - offset, or q8_0's signed byte;
 //   value = s0 * code (+ s1) for one scale per block, or s0 * code (first 16 codes) and s1 * code (last 16)
 //   for the split formats (Q6_K: a scale per 16 weights), with s0, s1 from `row_scales_ref`.
+//   The lookup formats (IQ4_NL) map the nibble through kIq4Codes first: code = that table's entry.
 template <Fmt F>
 struct Traits {
   static constexpr bool nibbles = F != Q8_0;  // qs holds 16 bytes of nibble pairs, not 32 int8
@@ -42,7 +43,10 @@ struct Traits {
   static constexpr bool has_qh = planes > 0;
   static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K;  // scales derived per super-block
   static constexpr bool split = F == Q6_K;
-  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : 0;
+  // IQ4_NL: a nibble indexes a table of 16 int8 values (llama.cpp's kvalues_iq4nl), kept as value + 128 so that
+  // the int8 kernels' vpdpbusd reads it as an unsigned code (one vpshufb a vector), with the offset 128.
+  static constexpr bool lut = F == IQ4_NL;
+  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : lut ? 128 : 0;
   static constexpr int payload = nibbles ? 16 : 32;  // bytes of qs per block
 };
 
@@ -57,7 +61,8 @@ inline void dispatch_fmt(Fmt f, Fn&& fn) {
     case Q5_1: fn(std::integral_constant<Fmt, Q5_1>{}); break;
     case Q4_K: fn(std::integral_constant<Fmt, Q4_K>{}); break;
     case Q5_K: fn(std::integral_constant<Fmt, Q5_K>{}); break;
-    default: fn(std::integral_constant<Fmt, Q6_K>{}); break;
+    case Q6_K: fn(std::integral_constant<Fmt, Q6_K>{}); break;
+    default: fn(std::integral_constant<Fmt, IQ4_NL>{}); break;
   }
 }
 
@@ -75,7 +80,13 @@ SERVELM_TRAIT(fmt_split, split)
 SERVELM_TRAIT(fmt_crumbs, crumbs)
 SERVELM_TRAIT(fmt_offset, offset)
 SERVELM_TRAIT(fmt_payload, payload)
+SERVELM_TRAIT(fmt_lut, lut)
 #undef SERVELM_TRAIT
+
+// The lookup formats' codes (IQ4_NL, IQ4_XS in llama.cpp): kvalues_iq4nl + 128, so code - offset (128) is the
+// table's int8 value; kIq4Values the same values (the int16 and fp32 paths, which take them signed).
+constexpr uint8_t kIq4Codes[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // One [N, KB * 32] quantised weight, in 32-weight blocks:
 //   qs: q8_0 int8 [N, KB, 32]; the others uint8 [N, KB, 16], element j in the low nibble of byte j, element
@@ -191,6 +202,7 @@ inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
+  if (fmt_lut(w.fmt)) return kIq4Values[q];
   if (fmt_crumbs(w.fmt))
     return (q | crumb_at(crumb_row(w, n), b, k) << 4) - fmt_offset(w.fmt);
   const int64_t at = n * plane_stride(w) + plane_word(b, k);

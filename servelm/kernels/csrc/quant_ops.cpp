@@ -21,6 +21,10 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx5
 // The ISA an index runs on (the int8 variants on their own).
 inline int64_t base_isa(int64_t isa) { return isa == kAvx512VnniI8 ? kAvx512Vnni : isa == kAvx2I8 ? kAvx2 : isa; }
 inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAvx2I8; }
+// Whether a weight in format f takes the int8 scheme on path isa: the nibble formats, except the lookup formats
+// on AVX2, whose 8-bit codes (up to 241) would saturate vpmaddubsw's int16 pair sums (2 x 241 x 127 > 32767):
+// they keep the int16 scheme there (servelm.kernels.quant.activation_scheme says the same).
+inline bool int8_for(int64_t isa, Fmt f) { return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f)); }
 
 // Whether `isa` may run on this CPU (best: best_isa()).
 inline bool isa_available(int64_t isa, int64_t best) { return isa >= kScalar && isa <= kAvx2I8 && base_isa(isa) <= best; }
@@ -263,7 +267,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const GemmFn fn = gemm_for(isa);
   const bool wide = base_isa(isa) >= kAvx512, has_m = fmt_has_min(w.fmt);
 #if defined(__x86_64__) || defined(_M_X64)
-  if (int8_scheme(isa) && w.fmt != Q8_0) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
+  if (int8_for(isa, w.fmt)) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
     const int64_t KBq = (KB + 3) / 4 * 4, quads = KBq / 4;
     const int off = fmt_offset(w.fmt);
     // per row: s [KBq] | xsum [KBq] | lane scales [quads * 16] | padding read by the minimum term up to
@@ -345,7 +349,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
-  if (int8_scheme(isa) && w.fmt != Q8_0) {  // the int8 scheme's panel GEMM instead of fp32 tiles
+  if (int8_for(isa, w.fmt)) {  // the int8 scheme's panel GEMM instead of fp32 tiles
     const int64_t gb = isa == kAvx2I8 ? 8 : 16;  // blocks per group: the int32 lanes of a vector
     const int64_t G = (w.KB + gb - 1) / gb, ss = 2 * G * gb;
     at::Tensor xq = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kChar));

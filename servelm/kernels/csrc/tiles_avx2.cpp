@@ -48,7 +48,8 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
   const int planes = fmt_planes(w.fmt);
   const __m128i low4 = _mm_set1_epi8(0x0f);
   const __m128i offset = _mm_set1_epi8(static_cast<char>(fmt_offset(w.fmt)));
-  const bool is_signed = fmt_offset(w.fmt) != 0;
+  const bool is_signed = fmt_offset(w.fmt) != 0, lut = fmt_lut(w.fmt);
+  const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values));
   for (int64_t b = 0; b < kb; ++b) {
     const __m256 dv = _mm256_set1_ps(s0[b]);
     const __m256 mv = _mm256_set1_ps(s1[b]);
@@ -68,7 +69,10 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
       lo = _mm_or_si128(lo, plane_bits(h & 0xFFFFu, v));
       hi = _mm_or_si128(hi, plane_bits(h >> 16, v));
     }
-    if (is_signed) {
+    if (lut) {  // IQ4_NL: the nibbles' signed values (kIq4Values)
+      lo = _mm_shuffle_epi8(values, lo);
+      hi = _mm_shuffle_epi8(values, hi);
+    } else if (is_signed) {
       lo = _mm_sub_epi8(lo, offset);
       hi = _mm_sub_epi8(hi, offset);
     }
