@@ -1,11 +1,11 @@
 """Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the k-quants Q4_K,
-Q5_K, Q6_K) kept at their own bits, and the matmul over them.
+Q5_K, Q6_K and IQ4_XS) kept at their own bits, and the matmul over them.
 
 A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight blocks in the layout the
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
-  (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's nibbles index llama.cpp's
-  table of 16 int8 values (`IQ4_VALUES`);
+  (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's and IQ4_XS's nibbles index
+  llama.cpp's table of 16 int8 values (`IQ4_VALUES`);
 * `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
   4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
   kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
@@ -13,13 +13,15 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
 * `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
-  the 12-byte field), Q6_K's int8 scales of the block's two halves.
+  the 12-byte field), Q6_K's int8 scales of the block's two halves; IQ4_XS's one, [N, KB, 1]: its 6-bit scale
+  - 32 as int8 (unpacked from scales_l/scales_h).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
-file's bytes (1.00x for Q6_K, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to bytes).
+file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to
+bytes).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
-`d * IQ4_VALUES[q]` for IQ4_NL, fp32).
+`d * IQ4_VALUES[q]` for IQ4_NL, `(d * (sc - 32)) * IQ4_VALUES[q]` for IQ4_XS, fp32).
 `linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 / scalar, chosen at run time,
 built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
 then matmul. The kernel multiplies the weights' integer codes with x rounded per block of 32 to integer codes:
@@ -84,11 +86,12 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 6, 16, has_min=True, planes=1, super_block=True),
     BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, crumbs=True, super_block=True),
     BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8, 16, offset=128, lut=True),
+    BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 9, 16, offset=128, super_block=True, lut=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
 # `quantize` writes these (gguf-py's reference rounding; it has none for the k-quants or IQ4_NL)
 QUANTIZE_FORMATS = tuple(f for f, row in _REGISTRY.items() if not row.super_block and not row.lut)
-# IQ4_NL's (and IQ4_XS's) values, llama.cpp's kvalues_iq4nl: csrc/quant_common.h kIq4Values
+# IQ4_NL's and IQ4_XS's values, llama.cpp's kvalues_iq4nl: csrc/quant_common.h kIq4Values
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BLOCK = 32
 SUPER = 256
@@ -253,6 +256,14 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     def half(lo: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(blocks[:, lo: lo + 2])).view(torch.float16).view(n, nsb)
 
+    if fmt == "iq4_xs":  # d, scales_h (2 bits a block), scales_l (4 bits a block), 8 blocks of 16 nibble bytes
+        ib = np.arange(8)
+        low = (blocks[:, 4:8][:, ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 0x0F
+        high = (blocks[:, 2:4].copy().view(np.uint16) >> (2 * ib).astype(np.uint16)) & 3
+        scales = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32  # [b, 8]
+        sc = torch.from_numpy(np.ascontiguousarray(scales.astype(np.int8))).view(torch.uint8).view(n, kb, 1)
+        qs = torch.from_numpy(np.ascontiguousarray(blocks[:, 8:136])).view(n, kb, 16)
+        return QuantWeight(fmt, (n, k), qs, half(0), None, None, None, sc)
     if fmt in ("q4_k", "q5_k"):
         sc, mins = Q4_K.get_scale_min(blocks[:, 4:16].copy())  # [b, 8] each, 6-bit
         scales = torch.from_numpy(np.ascontiguousarray(np.stack([sc, mins], -1).astype(np.uint8))).view(n, kb, 2)
@@ -421,6 +432,8 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         vals = q * d.to(torch.float32).unsqueeze(-1)
         return (vals + m.to(torch.float32).unsqueeze(-1) if m is not None else vals).flatten(-2)
     per_block = (d.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1)).unsqueeze(-1)  # [..., KB, 1]
+    if qw.fmt == "iq4_xs":  # d * (6-bit scale - 32), exact in fp32
+        return (q * per_block * sc.view(torch.int8).to(torch.float32)).flatten(-2)
     if qw.fmt == "q6_k":  # int8 scale per 16 weights: d * scale, exact in fp32
         scale = per_block * sc.view(torch.int8).to(torch.float32).repeat_interleave(16, dim=-1)
         return (q * scale).flatten(-2)

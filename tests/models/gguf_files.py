@@ -88,11 +88,33 @@ def quantize_iq4_nl(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks).reshape(n, -1)
 
 
-_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,)}  # byte offsets of the fp16 d (and dmin)
+def quantize_iq4_xs(arr: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row]: each block's
+    IQ4_NL scale (`quantize_iq4_nl`) rounded to a 6-bit multiple of the super-block's d, then the nearest table
+    values; ggml's layout (d, scales_h, scales_l, 8 x 16 nibble bytes)."""
+    n, k = arr.shape
+    x = arr.astype(np.float32).reshape(-1, 8, 32)
+    values = np.array(quant.IQ4_VALUES, np.float32)
+    extreme = np.take_along_axis(x, np.abs(x).argmax(-1)[..., None], -1)[..., 0]  # [sb, 8]
+    dl = extreme / -127
+    d = (np.abs(dl).max(-1, keepdims=True) / 31).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = np.clip(np.nan_to_num(np.round(dl / d.astype(np.float32))), -32, 31).astype(np.int16)
+        scaled = np.nan_to_num(x / (d.astype(np.float32) * ls)[..., None])
+    q = np.abs(scaled[..., None] - values).argmin(-1).astype(np.uint8)  # [sb, 8, 32]
+    u = (ls + 32).astype(np.uint16)  # 6 bits a block
+    scales_h = ((u >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+    scales_l = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).astype(np.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8), scales_h[:, None].view(np.uint8), scales_l, qs], axis=1)
+    return np.ascontiguousarray(blocks).reshape(n, -1)
+
+
+_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}  # byte offsets of the fp16 d (and dmin)
 
 
 def random_k_quant(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, quant.QuantWeight]:
-    """Random blocks of a format gguf-py cannot quantise (the k-quants, IQ4_NL): any scale, min and code bits
+    """Random blocks of a format gguf-py cannot quantise (the k-quants, IQ4_NL, IQ4_XS): any scale, min and code bits
     are valid, with fp16 d/dmin in [1e-4, 1e-2]. K not a multiple of the block is padded, as in a file."""
     rng = np.random.default_rng(seed)
     row = quant.block_format(fmt)
@@ -171,8 +193,12 @@ def write_gguf(
                 w.add_tensor(gguf_name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
             else:
                 w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
-        elif quantize == "IQ4_NL" and arr.ndim == 2:  # gguf-py cannot write it either
-            w.add_tensor(gguf_name, quantize_iq4_nl(arr), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        elif quantize in ("IQ4_NL", "IQ4_XS") and arr.ndim == 2:  # gguf-py cannot write them either; IQ4_XS
+            # rows that are not whole 256-weight super-blocks fall back to IQ4_NL, as llama-quantize's do
+            if quantize == "IQ4_XS" and arr.shape[-1] % 256 == 0:
+                w.add_tensor(gguf_name, quantize_iq4_xs(arr), raw_dtype=gguf.GGMLQuantizationType.IQ4_XS)
+            else:
+                w.add_tensor(gguf_name, quantize_iq4_nl(arr), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         elif quantize and arr.ndim == 2:
             qtype = gguf.GGMLQuantizationType[quantize]
             w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

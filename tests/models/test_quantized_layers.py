@@ -291,6 +291,35 @@ def test_k_quant_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_di
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize(("hidden", "formats"), [
+    (256, {"iq4_xs": 9}),
+    (96, {"iq4_nl": 7, "iq4_xs": 2}),  # rows of 96 weights: llama-quantize's IQ4_NL fallback; 512 (ffn_down) stay
+])
+def test_iq4_xs_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_dir: Path, hidden: int,
+                                           formats: dict) -> None:
+    """An IQ4_XS file (and its IQ4_NL fallbacks): `auto` keeps every tensor at its own bits in at most 1.05x the
+    file's bytes and computes what `none` computes from gguf's dequantisation of the same file."""
+    folder, model = build_tiny_model(tmp_path / "hf", default_tokenizer_dir, "llama", std=0.1, hidden_size=hidden,
+                                     intermediate_size=512, head_dim=32 if hidden == 96 else 64)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", model, quantize="IQ4_XS")
+    common = {"model_path": str(path), "tokenizer_path": str(folder), "max_total_tokens": 64}
+    fp32 = ModelRunner(ServerArgs(**common, quantization="none"))
+    kept = ModelRunner(ServerArgs(**common))
+    assert kept.weight_formats() == formats and fp32.weight_formats() == {"float32": 9}
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors)
+    assert kept.model_info()["weight_bytes"] <= 1.05 * file_bytes
+    ids = [5, 17, 300, 42, 7, 900, 11]
+    a, b = _logits(fp32, ids), _logits_int16(kept, ids)
+    err = _int8_scheme_error(kept, ids, a)
+    print(f"{formats}: default scheme relative error {err:.4f}")
+    assert err < 0.05
+    assert (a - b).norm() < 1e-3 * a.norm(), float((a - b).norm() / a.norm())
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def _no_lookup_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """`--quantization none` as before issue 13's lookup blocks: every weight dequantised to fp32."""
     from servelm.model_executor import model_runner

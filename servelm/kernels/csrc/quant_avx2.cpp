@@ -51,9 +51,14 @@ static inline __m256 splat_half(uint16_t h) {
 template <Fmt F>
 static inline void row_scales_k(const QWeight& w, int64_t n, float* s0, float* s1, int64_t padded) {
   const int64_t kb = w.KB, nsb = kb / kSuper;
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(w.sc + n * kb * 2);
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(w.sc + n * kb * Traits<F>::sc_bytes);
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const __m256 dv = splat_half(w.d[n * nsb + sb]);
+    if constexpr (Traits<F>::lut) {  // IQ4_XS: one int8 scale a block (s1 unused)
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc + (n * kb + sb * kSuper)));
+      _mm256_storeu_ps(s0 + sb * kSuper, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
+      continue;
+    }
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * kSuper));
     float* a = s0 + sb * kSuper;
     float* b = s1 + sb * kSuper;

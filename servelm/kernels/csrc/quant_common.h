@@ -21,8 +21,9 @@ namespace servelm_quant {
 // The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
 // Every format is read as 32-weight blocks of integer codes; the k-quants (Q4_K, Q5_K, Q6_K: 256-weight
 // super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py).
-enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8 };
-constexpr int64_t kNumFmts = 9;
+enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8,
+                     IQ4_XS = 9 };
+constexpr int64_t kNumFmts = 10;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 
@@ -30,7 +31,7 @@ constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 //   code = nibble (+ 16 * plane-0 bit) (+ 32 * plane-1 bit) - offset, or q8_0's signed byte;
 //   value = s0 * code (+ s1) for one scale per block, or s0 * code (first 16 codes) and s1 * code (last 16)
 //   for the split formats (Q6_K: a scale per 16 weights), with s0, s1 from `row_scales_ref`.
-//   The lookup formats (IQ4_NL) map the nibble through kIq4Codes first: code = that table's entry.
+//   The lookup formats (IQ4_NL, IQ4_XS) map the nibble through kIq4Codes first: code = that table's entry.
 template <Fmt F>
 struct Traits {
   static constexpr bool nibbles = F != Q8_0;  // qs holds 16 bytes of nibble pairs, not 32 int8
@@ -41,11 +42,13 @@ struct Traits {
   // pair of blocks on AVX2.
   static constexpr bool crumbs = F == Q6_K;
   static constexpr bool has_qh = planes > 0;
-  static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K;  // scales derived per super-block
+  // scales derived per super-block (IQ4_XS: d * its 6-bit scale - 32, as the k-quants keep their own)
+  static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
   static constexpr bool split = F == Q6_K;
-  // IQ4_NL: a nibble indexes a table of 16 int8 values (llama.cpp's kvalues_iq4nl), kept as value + 128 so that
-  // the int8 kernels' vpdpbusd reads it as an unsigned code (one vpshufb a vector), with the offset 128.
-  static constexpr bool lut = F == IQ4_NL;
+  // IQ4_NL, IQ4_XS: a nibble indexes a table of 16 int8 values (llama.cpp's kvalues_iq4nl), kept as value + 128
+  // so that the int8 kernels' vpdpbusd reads it as an unsigned code (one vpshufb a vector), with the offset 128.
+  static constexpr bool lut = F == IQ4_NL || F == IQ4_XS;
+  static constexpr int sc_bytes = !kquant ? 0 : F == IQ4_XS ? 1 : 2;  // bytes of sc per block
   static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : lut ? 128 : 0;
   static constexpr int payload = nibbles ? 16 : 32;  // bytes of qs per block
 };
@@ -62,7 +65,8 @@ inline void dispatch_fmt(Fmt f, Fn&& fn) {
     case Q4_K: fn(std::integral_constant<Fmt, Q4_K>{}); break;
     case Q5_K: fn(std::integral_constant<Fmt, Q5_K>{}); break;
     case Q6_K: fn(std::integral_constant<Fmt, Q6_K>{}); break;
-    default: fn(std::integral_constant<Fmt, IQ4_NL>{}); break;
+    case IQ4_NL: fn(std::integral_constant<Fmt, IQ4_NL>{}); break;
+    default: fn(std::integral_constant<Fmt, IQ4_XS>{}); break;
   }
 }
 
@@ -81,6 +85,7 @@ SERVELM_TRAIT(fmt_crumbs, crumbs)
 SERVELM_TRAIT(fmt_offset, offset)
 SERVELM_TRAIT(fmt_payload, payload)
 SERVELM_TRAIT(fmt_lut, lut)
+SERVELM_TRAIT(fmt_sc_bytes, sc_bytes)
 #undef SERVELM_TRAIT
 
 // The lookup formats' codes (IQ4_NL, IQ4_XS in llama.cpp): kvalues_iq4nl + 128, so code - offset (128) is the
@@ -98,7 +103,7 @@ constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 //   d, m: fp16 [N, KB] scale and minimum (q4_1, q5_1) of each block; for the k-quants, [N, KB / 8]: the
 //       super-block's d and dmin;
 //   sc: k-quants, [N, KB, 2] per block: Q4_K/Q5_K uint8 (6-bit scale, 6-bit min), Q6_K int8 (scale of the
-//       first 16 weights, of the last 16).
+//       first 16 weights, of the last 16); IQ4_XS [N, KB, 1] int8 (its 6-bit scale - 32).
 struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
@@ -191,7 +196,7 @@ inline void prefetch_fields(const QWeight& w, int64_t n, int64_t rows) {
   const int64_t per = Traits<F>::kquant ? w.KB / kSuper : w.KB;  // d (and m) per row
   lines(w.d, n * per * 2, rows * per * 2);
   if (Traits<F>::has_min) lines(w.m, n * per * 2, rows * per * 2);
-  if (Traits<F>::kquant) lines(w.sc, n * w.KB * 2, rows * w.KB * 2);
+  if (Traits<F>::kquant) lines(w.sc, n * w.KB * Traits<F>::sc_bytes, rows * w.KB * Traits<F>::sc_bytes);
   const int64_t ps = plane_stride(w) * 8;
   if (Traits<F>::planes >= 1) lines(w.qh, n * ps, rows * ps);
   if (Traits<F>::planes >= 2 && !Traits<F>::crumbs) lines(w.qh2, n * ps, rows * ps);
@@ -281,8 +286,10 @@ inline void row_scales_ref(const QWeight& w, int64_t n, float* s0, float* s1, in
     }
     const int64_t sb = n * (kb / kSuper) + b / kSuper;
     const float d = half_to_float(w.d[sb]);
-    const uint8_t* sc = w.sc + (n * kb + b) * 2;
-    if (split) {  // int8 scales of the two halves (d fp16 x int8: exact in fp32)
+    const uint8_t* sc = w.sc + (n * kb + b) * fmt_sc_bytes(f);
+    if (fmt_lut(f)) {  // IQ4_XS: d * (6-bit scale - 32), exact
+      s0[b] = d * static_cast<float>(static_cast<int8_t>(sc[0]));
+    } else if (split) {  // int8 scales of the two halves (d fp16 x int8: exact in fp32)
       s0[b] = d * static_cast<float>(static_cast<int8_t>(sc[0]));
       s1[b] = d * static_cast<float>(static_cast<int8_t>(sc[1]));
     } else {  // 6-bit scale and minimum: value = d * sc * q - dmin * mn

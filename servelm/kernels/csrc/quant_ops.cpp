@@ -241,7 +241,7 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
   if (kq)
     TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->dim() == 3 && sc->size(0) == N &&
-                sc->size(1) == KB && sc->size(2) == 2, "sc layout");
+                sc->size(1) == KB && sc->size(2) == fmt_sc_bytes(f), "sc layout");
   *bp = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N, "bias: fp32 [N]");
