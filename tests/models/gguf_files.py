@@ -110,7 +110,8 @@ def quantize_iq4_xs(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(blocks).reshape(n, -1)
 
 
-_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}  # byte offsets of the fp16 d (and dmin)
+# byte offsets of the fp16 d (and dmin)
+_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 
 
 def random_k_quant(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, quant.QuantWeight]:
