@@ -168,11 +168,35 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(fb.input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(fb.positions, hidden, residual, fb)
+        statics = self._fused_stack(fb, hidden) if fb.is_decode and fb.kv_cache is not None else None
+        if statics is not None:  # every layer's step one C++ call, as each layer would make it
+            hidden, residual = fused.decode_stack(statics, fb.positions, hidden, fb)
+        else:
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(fb.positions, hidden, residual, fb)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def _fused_stack(self, fb: ForwardBatch, hidden: torch.Tensor) -> list | None:
+        """`fused.decode_layer_static` of every layer when each layer's decode step would be its one fused call
+        (`LlamaDecoderLayer.forward`'s checks, made once per KV cache and kernel choices), else None."""
+        kernels = [kernels_of(layer) for layer in self.layers]
+        key = (fb.kv_cache, kernels)
+        cached = self.__dict__.get("_fused_stack_cache")
+        if cached is not None and cached[0][0] is key[0] and cached[0][1] == kernels:
+            statics = cached[1]
+            return statics if statics is not None and fused.available(hidden, kernels=kernels[0]) else None
+        statics = []
+        for layer, k in zip(self.layers, kernels, strict=True):
+            kv = fb.kv_cache.layer(layer.self_attn.attn.layer_id)
+            args = layer.fused_decode_args() if type(layer).forward is LlamaDecoderLayer.forward else None
+            if args is None or not fused.available(hidden, kernels=k) or not fused.kv_available(kv):
+                statics = None
+                break
+            statics.append(fused.decode_layer_static(layer, args, kv, k.quant))
+        self.__dict__["_fused_stack_cache"] = (key, statics)
+        return statics
 
 
 class LlamaForCausalLM(nn.Module):

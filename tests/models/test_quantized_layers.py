@@ -397,8 +397,9 @@ def test_none_untied_gguf_and_hf_folder_keep_no_blocks(tmp_path: Path, tiny_llam
 ])
 def test_fused_decode_layer_gives_the_layer_ops_bits(tmp_path: Path, default_tokenizer_dir: Path, monkeypatch,
                                                      gguf_arch: str, quantize: str, hidden: int) -> None:
-    """A decode step through `fused.decode_layer` (one C++ call a layer) gives bitwise the logits of the
-    layer's own ops, for a batch of two requests at different lengths."""
+    """A decode step through `fused.decode_stack` (every layer's one C++ call from one loop) and through
+    `fused.decode_layer` layer by layer give bitwise the logits of the layer's own ops, for a batch of two
+    requests at different lengths."""
     from servelm.layers import fused
 
     folder, model = build_tiny_model(tmp_path / "hf", default_tokenizer_dir, gguf_arch, std=0.1, hidden_size=hidden,
@@ -417,13 +418,17 @@ def test_fused_decode_layer_gives_the_layer_ops_bits(tmp_path: Path, default_tok
                                           runner.device))
     step = ForwardBatch.build([33, 44], [7, 5], [7, 15], [1, 1], [list(range(8)), list(range(10, 16))], [0, 1],
                               runner.device)
-    calls = []
-    real = fused.decode_layer
-    monkeypatch.setattr(fused, "decode_layer", lambda *args: calls.append(1) or real(*args))
-    fused_logits = runner.forward(step)
-    assert len(calls) == len(layers)
+    stacks, calls = [], []
+    real_stack, real_layer = fused.decode_stack, fused.decode_layer
+    monkeypatch.setattr(fused, "decode_stack", lambda *args: stacks.append(1) or real_stack(*args))
+    monkeypatch.setattr(fused, "decode_layer", lambda *args: calls.append(1) or real_layer(*args))
+    stack_logits = runner.forward(step)  # every layer's call from one loop (LlamaModel._fused_stack)
+    assert len(stacks) == 1 and not calls
+    monkeypatch.setattr(runner.model.model, "_fused_stack", lambda *args: None)
+    fused_logits = runner.forward(step)  # the same step again, layer by layer: the same KV slots and values
+    assert len(calls) == len(layers) and len(stacks) == 1
     for layer in layers:
         layer._fused_args = (None,)  # the layer's own ops from here on
-    own = runner.forward(step)  # the same step again: the same KV slots written with the same values
+    own = runner.forward(step)
     assert len(calls) == len(layers)
-    assert torch.equal(fused_logits, own)
+    assert torch.equal(stack_logits, fused_logits) and torch.equal(fused_logits, own)
