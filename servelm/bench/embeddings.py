@@ -111,6 +111,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--offline", action="store_true",
                    help="servelm in this process (Engine.embed, all inputs at once) instead of over HTTP.")
     p.add_argument("--dtype", default="auto", help="With --offline: the engine's --dtype.")
+    p.add_argument("--quantization", default="auto",
+                   help="With --offline: the engine's --quantization (over HTTP: pass it in --server-args).")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -145,7 +147,7 @@ def main(argv: list[str]) -> int:
     if args.offline:
         from servelm.entrypoints.engine import Engine
 
-        engine = Engine(model_path=args.model_path, dtype=args.dtype)
+        engine = Engine(model_path=args.model_path, dtype=args.dtype, quantization=args.quantization)
         engine.embed(inputs[:32])  # warm
     elif url is None:
         proc, url = _start_server(args.model_path, args.server_args.split())

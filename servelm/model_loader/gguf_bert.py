@@ -76,10 +76,16 @@ def pooling_mode(path: str) -> str:
     return GGUF_POOLING.get(int(_field(_reader(path), "bert.pooling_type", 2)), "cls")
 
 
-def tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor under its Hugging Face `BertModel` name, as fp32."""
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_up", "ffn_down")
+
+
+def tensors(path: str, keep_formats: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor | Any]]:
+    """Every tensor under its Hugging Face `BertModel` name, as fp32; a layer's projection whose ggml type is
+    in `keep_formats` (kernel format names) as a `QuantWeight` of the file's blocks instead."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
+    from servelm.kernels import quant
 
     for t in _reader(path).tensors:
         name, _, part = t.name.rpartition(".")
@@ -93,6 +99,10 @@ def tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         else:
             continue  # a classifier or pooler head this loader does not serve
         shape = [int(d) for d in reversed(t.shape)]  # GGUF lists dimensions innermost first
+        fmt = t.tensor_type.name.lower()
+        if name.startswith("blk.") and kind in _PROJECTIONS and part == "weight" and fmt in keep_formats:
+            yield hf, quant.from_gguf(t.data, fmt, tuple(shape))
+            continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             data = np.asarray(t.data, dtype=np.float32)
         else:

@@ -4,7 +4,10 @@ positions, token types, post-norm layers; no KV cache (a request is one forward 
 A batch is packed: everything runs on the batch's real tokens only, [T, H], attention input by input on views
 of the packed rows. A padded `BertModel` forward (sentence-transformers' `encode`) pays the MLP and the
 projections for every pad position of every input; the projections here multiply by weights pre-packed for
-oneDNN once (`prepack`), where torch's default CPU GEMM packs them again on every call.
+oneDNN once (`prepack`), where torch's default CPU GEMM packs them again on every call. With `--quantization`
+(or a quantised BERT GGUF under `auto`) the four projections of each layer are ggml blocks instead, multiplied
+by servelm's quantised-weight kernel (`servelm.kernels.quant`: int8 activations with AVX-512 VNNI or AVX2); the
+embeddings, norms and heads stay fp32.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from servelm.kernels import quant
 
 ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
@@ -60,6 +65,16 @@ class BertLayer(nn.Module):
         self.act = ACTIVATIONS[act]
         self.act_name = act
         self.packed: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # see prepack
+        self.quantized: dict[str, quant.QuantWeight] = {}  # projections kept as ggml blocks (see keep_blocks)
+
+    def keep_blocks(self, name: str, qw: quant.QuantWeight) -> None:
+        """Projection `name` multiplies by the blocks `qw` from now on (its fp32 weight freed; the bias stays)."""
+        lin = getattr(self, name)
+        if tuple(qw.shape) != tuple(lin.weight.shape):
+            raise ValueError(f"a quantised {name} weight is {list(qw.shape)}, the model expects "
+                             f"{list(lin.weight.shape)}")
+        self.quantized[name] = qw
+        lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
 
     def prepack(self) -> None:
         """Each projection's weight in oneDNN's blocked layout (the plain copy freed), the activation fused
@@ -68,12 +83,18 @@ class BertLayer(nn.Module):
         docs/embeddings.md); the layout is what inductor's freezing pass emits."""
         self.packed = {}
         for name in LINEARS:
+            if name in self.quantized:
+                continue
             lin = getattr(self, name)
             self.packed[name] = (torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous()),
                                  lin.bias.detach().clone())
             lin.weight = nn.Parameter(lin.weight.new_empty(0), requires_grad=False)
 
     def _linear(self, name: str, x: torch.Tensor, post: tuple[str, str] | None = None) -> torch.Tensor:
+        qw = self.quantized.get(name)
+        if qw is not None:
+            y = quant.linear(x, qw, getattr(self, name).bias)
+            return self.act(y) if post is not None else y
         if self.packed is None:
             y = getattr(self, name)(x)
             return self.act(y) if post is not None else y
@@ -129,7 +150,25 @@ class BertEncoder(nn.Module):
     def weight_bytes(self) -> int:
         plain = sum(p.numel() * p.element_size() for p in self.parameters())
         return plain + sum(w.numel() * w.element_size() + b.numel() * b.element_size()
-                           for layer in self.layers for w, b in (layer.packed or {}).values())
+                           for layer in self.layers for w, b in (layer.packed or {}).values()) + sum(
+            qw.nbytes for layer in self.layers for qw in layer.quantized.values())
+
+    def quantize(self, fmt: str) -> None:
+        """Every projection still in fp32 quantised to `fmt` (`--quantization`; after loading)."""
+        for layer in self.layers:
+            for name in LINEARS:
+                if name not in layer.quantized:
+                    layer.keep_blocks(name, quant.quantize(getattr(layer, name).weight.detach(), fmt))
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many projections are held in each format ("float32" for the plain ones)."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            for name in LINEARS:
+                qw = layer.quantized.get(name)
+                fmt = qw.fmt if qw is not None else "float32"
+                out[fmt] = out.get(fmt, 0) + 1
+        return out
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         """The last hidden states [T, H] of a packed batch."""
@@ -149,6 +188,29 @@ class BertEncoder(nn.Module):
             state[name] = tensor
         own = self.state_dict()
         used = set()
+        # Projections that come as ggml blocks (a quantised GGUF under --quantization auto) are kept as such:
+        # query, key and value stacked when they share a format, else dequantised and stacked in fp32.
+        for i, layer in enumerate(self.layers):
+            hf = f"encoder.layer.{i}."
+            qkv = [state.get(hf + f"attention.self.{w}.weight") for w in ("query", "key", "value")]
+            if any(isinstance(t, quant.QuantWeight) for t in qkv):
+                if all(isinstance(t, quant.QuantWeight) and t.fmt == qkv[0].fmt for t in qkv):
+                    layer.keep_blocks("qkv", quant.cat_rows(qkv))
+                    used.update(hf + f"attention.self.{w}.weight" for w in ("query", "key", "value"))
+                else:
+                    for w in ("query", "key", "value"):
+                        t = state[hf + f"attention.self.{w}.weight"]
+                        if isinstance(t, quant.QuantWeight):
+                            state[hf + f"attention.self.{w}.weight"] = quant.dequantize(t)
+            for name, theirs in (("out", "attention.output.dense"), ("up", "intermediate.dense"),
+                                 ("down", "output.dense")):
+                t = state.get(hf + theirs + ".weight")
+                if isinstance(t, quant.QuantWeight):
+                    layer.keep_blocks(name, t)
+                    used.add(hf + theirs + ".weight")
+        for name, t in state.items():
+            if isinstance(t, quant.QuantWeight) and name not in used:  # a block matrix outside the projections
+                state[name] = quant.dequantize(t)
         mapping = {"word.weight": "embeddings.word_embeddings.weight",
                    "position.weight": "embeddings.position_embeddings.weight",
                    "token_type.weight": "embeddings.token_type_embeddings.weight",
@@ -162,13 +224,17 @@ class BertEncoder(nn.Module):
                 mapping[me + f"down.{part}"] = hf + f"output.dense.{part}"
                 mapping[me + f"mlp_norm.{part}"] = hf + f"output.LayerNorm.{part}"
                 qkv = [hf + f"attention.self.{w}.{part}" for w in ("query", "key", "value")]
-                own[me + f"qkv.{part}"].copy_(torch.cat([state[n] for n in qkv]))
+                if not (part == "weight" and "qkv" in self.layers[i].quantized):
+                    own[me + f"qkv.{part}"].copy_(torch.cat([state[n] for n in qkv]))
                 used.update(qkv)
         if "embeddings.token_type_embeddings.weight" not in state:  # models without token types
             state["embeddings.token_type_embeddings.weight"] = torch.zeros_like(own["token_type.weight"])
         for mine, theirs in mapping.items():
             if theirs not in state:
                 raise KeyError(f"the checkpoint has no {theirs}")
+            if mine.endswith(".weight") and mine.split(".")[-2] in LINEARS and \
+                    mine.split(".")[-2] in self.layers[int(mine.split(".")[1])].quantized:
+                continue  # kept as blocks above
             own[mine].copy_(state[theirs])
             used.add(theirs)
         return {k: v for k, v in state.items() if k not in used and not k.endswith("position_ids")}

@@ -23,11 +23,12 @@ TEXTS = ["", "a", "Hello world!", "The quick brown fox jumps over the lazy dog. 
          "word " * 200]  # the last is longer than the tiny model reads: sentence-transformers truncates it
 
 
-def st_folder(out: Path, pooling: str, normalize: bool, max_seq_length: int = 64, seed: int = 0) -> Path:
+def st_folder(out: Path, pooling: str, normalize: bool, max_seq_length: int = 64, seed: int = 0,
+              hidden: int = 48) -> Path:
     """A tiny random BertModel saved as a sentence-transformers folder (the MiniLM tokenizer)."""
     torch.manual_seed(seed)
-    config = transformers.BertConfig(vocab_size=30522, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=96, max_position_embeddings=128, type_vocab_size=2)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=2 * hidden, max_position_embeddings=128, type_vocab_size=2)
     model = transformers.BertModel(config, add_pooling_layer=False)
     with torch.no_grad():  # random LayerNorm parameters too, so that a wrong mapping shows
         for name, p in model.named_parameters():
@@ -46,7 +47,7 @@ def st_folder(out: Path, pooling: str, normalize: bool, max_seq_length: int = 64
             "max": "pooling_mode_max_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
             "weightedmean": "pooling_mode_weightedmean_tokens"}
     (out / "1_Pooling" / "config.json").write_text(json.dumps({
-        "word_embedding_dimension": 48, **{key: mode in modes for mode, key in keys.items()}}))
+        "word_embedding_dimension": hidden, **{key: mode in modes for mode, key in keys.items()}}))
     (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
                                                                "do_lower_case": False}))
     return out
@@ -124,8 +125,8 @@ def test_unsupported_embedding_setups_are_one_line_errors(tmp_path: Path) -> Non
     folder = st_folder(tmp_path / "m", "cls", True)
     with pytest.raises(ConfigError, match="--tp-size must be 1"):
         runner_of(folder, tp_size=2)
-    with pytest.raises(ConfigError, match="not supported for embedding models yet"):
-        runner_of(folder, quantization="q8_0")
+    with pytest.raises(ConfigError, match="needs float32 compute"):
+        runner_of(folder, quantization="q8_0", dtype="bfloat16")
     llama = tmp_path / "llama"
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
@@ -211,9 +212,10 @@ def test_offline_engine_embeds(tmp_path: Path) -> None:
     torch.testing.assert_close(by_ids, ref[2], rtol=1e-4, atol=1e-5)
 
 
-def write_bert_gguf(folder: Path, out: Path, f16: bool = True) -> Path:
+def write_bert_gguf(folder: Path, out: Path, f16: bool = True, quantize: str | None = None) -> Path:
     """A BERT GGUF as llama.cpp's convert_hf_to_gguf.py writes one (its tensor names, metadata and
-    SentencePiece-spelled WordPiece vocabulary), from a sentence-transformers folder's weights."""
+    SentencePiece-spelled WordPiece vocabulary), from a sentence-transformers folder's weights; `quantize`
+    (a ggml type gguf-py writes, as llama-quantize would) for the layers' matrices."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -257,6 +259,10 @@ def write_bert_gguf(folder: Path, out: Path, f16: bool = True) -> Path:
         else:
             continue
         data = t.float().numpy()
+        if quantize and data.ndim == 2 and gname.startswith("blk."):
+            qtype = gguf.GGMLQuantizationType[quantize]
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            continue
         w.add_tensor(gname, data.astype(np.float16) if f16 and data.ndim == 2 else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -284,3 +290,28 @@ def test_a_llama_cpp_bert_gguf_serves_as_its_folder(tmp_path: Path, monkeypatch:
     ref = servelm_embed(runner_of(folder), TEXTS[:-1])
     got = servelm_embed(runner, TEXTS[:-1])
     assert torch.nn.functional.cosine_similarity(got, ref).min().item() >= 0.9999  # F16 matrices
+
+
+@pytest.mark.parametrize("mode, fmt, min_cos", [("int8", "q8_0", 0.999), ("q4_0", "q4_0", 0.98)])
+def test_quantised_encoder_close_to_fp32(tmp_path: Path, mode: str, fmt: str, min_cos: float) -> None:
+    """--quantization on an encoder: its projections become ggml blocks (the embeddings, norms and pooling stay
+    fp32), a fraction of the fp32 bytes, and the embeddings stay close to fp32's."""
+    folder = st_folder(tmp_path / "m", "mean", True, hidden=64)
+    fp32, quantised = runner_of(folder), runner_of(folder, quantization=mode)
+    assert fp32.weight_formats == {"float32": 8} and quantised.weight_formats == {fmt: 8}
+    assert quantised.model_info()["weight_formats"] == {fmt: 8}
+    assert quantised.weight_bytes < fp32.weight_bytes
+    cos = torch.nn.functional.cosine_similarity(servelm_embed(quantised, TEXTS), servelm_embed(fp32, TEXTS))
+    assert cos.min().item() >= min_cos, cos
+
+
+def test_quantised_bert_gguf_keeps_its_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q8_0 BERT GGUF (as llama-quantize writes one): `auto` keeps the layers' matrices at their own bits
+    and computes what `none` (dequantised to fp32) computes, to int8 activations' rounding."""
+    monkeypatch.setenv("SERVELM_CACHE_DIR", str(tmp_path / "cache"))
+    folder = st_folder(tmp_path / "m", "mean", True, hidden=64)
+    path = write_bert_gguf(folder, tmp_path / "bert-q8_0.gguf", quantize="Q8_0")
+    kept, plain = runner_of(path), runner_of(path, quantization="none")
+    assert kept.weight_formats == {"q8_0": 8} and plain.weight_formats == {"float32": 8}
+    cos = torch.nn.functional.cosine_similarity(servelm_embed(kept, TEXTS[:-1]), servelm_embed(plain, TEXTS[:-1]))
+    assert cos.min().item() >= 0.9999, cos
