@@ -116,7 +116,7 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
         wb[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
       } else {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16));
-        if constexpr (Traits<F>::lut) {  // IQ4_NL: the nibbles' signed values (kIq4Values), no offset
+        if constexpr (Traits<F>::lut) {  // IQ4_NL, IQ4_XS: the nibbles' signed values (kIq4Values), no offset
           const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), m = _mm_set1_epi8(0x0f);
           wa[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(raw, m)));
           wb[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(_mm_srli_epi16(raw, 4), m)));

@@ -24,7 +24,9 @@ inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAv
 // Whether a weight in format f takes the int8 scheme on path isa: the nibble formats, except the lookup formats
 // on AVX2, whose 8-bit codes (up to 241) would saturate vpmaddubsw's int16 pair sums (2 x 241 x 127 > 32767):
 // they keep the int16 scheme there (servelm.kernels.quant.activation_scheme says the same).
-inline bool int8_for(int64_t isa, Fmt f) { return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f)); }
+inline bool int8_for(int64_t isa, Fmt f) {
+  return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f));
+}
 
 // Whether `isa` may run on this CPU (best: best_isa()).
 inline bool isa_available(int64_t isa, int64_t best) { return isa >= kScalar && isa <= kAvx2I8 && base_isa(isa) <= best; }

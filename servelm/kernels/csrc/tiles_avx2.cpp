@@ -69,7 +69,7 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
       lo = _mm_or_si128(lo, plane_bits(h & 0xFFFFu, v));
       hi = _mm_or_si128(hi, plane_bits(h >> 16, v));
     }
-    if (lut) {  // IQ4_NL: the nibbles' signed values (kIq4Values)
+    if (lut) {  // IQ4_NL, IQ4_XS: the nibbles' signed values (kIq4Values)
       lo = _mm_shuffle_epi8(values, lo);
       hi = _mm_shuffle_epi8(values, hi);
     } else if (is_signed) {

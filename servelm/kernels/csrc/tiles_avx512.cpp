@@ -75,8 +75,9 @@ static inline __m512i group_plane(int p, const QWeight& w, int64_t t0, int g, in
 }
 
 // A nibble (the low 4 bits of each lane of `v`; higher bits are ignored), plus the plane bits k of `p0` (+16)
-// and `p1` (+32), -> its code as a float: (code - offset), exact (IQ4_NL: the nibble's table value). vpermps reads the low 4 bits of each index
-// lane; the q5 formats' 32 codes take the two-table vpermt2ps, which reads 5; Q6_K's 64 are computed.
+// and `p1` (+32), -> its code as a float: (code - offset), exact (IQ4_NL, IQ4_XS: the nibble's table value).
+// vpermps reads the low 4 bits of each index lane; the q5 formats' 32 codes take the two-table vpermt2ps, which
+// reads 5; Q6_K's 64 are computed.
 struct CodeTable {
   __m512 lo, hi;
   int planes;
@@ -84,7 +85,8 @@ struct CodeTable {
   explicit CodeTable(Fmt f) : planes(fmt_planes(f)), offset(_mm512_set1_epi32(fmt_offset(f))) {
     lo = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                        _mm512_set1_ps(static_cast<float>(fmt_offset(f))));
-    if (fmt_lut(f)) lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values))));
+    if (fmt_lut(f))
+      lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values))));
     hi = _mm512_add_ps(lo, _mm512_set1_ps(16.0f));
   }
   __m512 lookup(__m512i v, __m512i p0, __m512i p1, int k) const {
