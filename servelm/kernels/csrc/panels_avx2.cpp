@@ -50,7 +50,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
       continue;
     }
     const int64_t row = n + j;
-    row_scales_ref(w, row, s0j, s1j, kbg);
+    row_scales_avx2(w, row, s0j, s1j, kbg);
     for (int64_t b = 0; b < kb; ++b) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (row * kb + b) * 16));
       __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));

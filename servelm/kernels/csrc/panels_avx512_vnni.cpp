@@ -42,7 +42,7 @@ inline void transpose_lanes(const __m512i t[4], __m512i out[4]) {
 }
 
 // Rows [n, n + rows) of w into a panel: codes [kNp][G][8 slices][64] (slice i, bytes 4l..4l+3: block 16g + l's
-// k 4i..4i+3, unsigned, the planes added, the offset not taken out), s0/s1 [kNp][G * 16] fp32 (row_scales_ref;
+// k 4i..4i+3, unsigned, the planes added, the offset not taken out), s0/s1 [kNp][G * 16] fp32 (row_scales_ref's,
 // zero past KB). Rows past `rows` are zero.
 template <Fmt F>
 void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* codes, float* s0, float* s1) {
@@ -63,7 +63,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
     }
     const int64_t row = n + j;
     std::fill(s1j, s1j + kbg, 0.0f);
-    row_scales_ref(w, row, s0j, s1j, kbg);
+    row_scales_avx512(w, row, s0j, s1j, kbg);
     const uint8_t* q = w.qs + row * kb * 16;
     const uint64_t* h1 = Traits<F>::planes >= 1 ? w.qh + row * kp : nullptr;
     const uint64_t* h2 = Traits<F>::planes >= 2 && !Traits<F>::crumbs ? w.qh2 + row * kp : nullptr;

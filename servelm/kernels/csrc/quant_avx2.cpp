@@ -334,6 +334,18 @@ void gemm_avx2(const XQ& x, const QWeight& w, const float* bias, float* y, int64
   dispatch_fmt(w.fmt, [&](auto f) { avx2::gemm<decltype(f)::value>(x, w, bias, y, n0, n1); });
 }
 
+void row_scales_avx2(const QWeight& w, int64_t n, float* s0, float* s1, int64_t padded) {
+  dispatch_fmt(w.fmt, [&](auto f) {
+    constexpr Fmt F = decltype(f)::value;
+    if constexpr (Traits<F>::kquant) {
+      avx2::row_scales_k<F>(w, n, s0, s1, padded);
+    } else {
+      avx2::row_scales(w.d + n * w.KB, w.KB, padded, s0);
+      if constexpr (Traits<F>::has_min) avx2::row_scales(w.m + n * w.KB, w.KB, padded, s1);
+    }
+  });
+}
+
 void gemm_avx2_i8(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
   dispatch_fmt(w.fmt, [&](auto f) { avx2::gemm<decltype(f)::value, true>(x, w, bias, y, n0, n1); });
 }
