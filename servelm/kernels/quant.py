@@ -62,7 +62,8 @@ class BlockFormat:
     planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32)
     crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
-    # the nibble indexes `IQ4_VALUES` (IQ4_NL); the kernels take value + 128 as an unsigned code (offset 128)
+    # the nibble indexes `IQ4_VALUES` (IQ4_NL, IQ4_XS); the kernels take value + 128 as an unsigned code (offset
+    # 128)
     lut: bool = False
 
     @property
@@ -537,7 +538,7 @@ def isa_index(backend: str | None = None) -> int:
 
 def activation_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear`'s micro-kernel rounds x for a weight in `fmt` (decode; every row count in deterministic mode):
-    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats (IQ4_NL not on avx2_i8):
+    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats; IQ4_NL/IQ4_XS not on avx2_i8:
     per block of 32, d = amax / 127, vpdpbusd / vpmaddubsw),
     "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path).
     `backend`: a kernel path (default: the process's)."""
@@ -546,8 +547,8 @@ def activation_scheme(fmt: str, backend: str | None = None) -> str:
         return "fp32"
     if backend not in _RUNS_ON or fmt == "q8_0":
         return "int16"
-    # AVX2's vpmaddubsw sums pairs of products in int16: IQ4_NL's codes (up to 241) would saturate them, so it keeps
-    # the int16 scheme there (csrc/quant_ops.cpp int8_for)
+    # AVX2's vpmaddubsw sums pairs of products in int16: the lookup formats' codes (up to 241) would saturate them,
+    # so they keep the int16 scheme there (csrc/quant_ops.cpp int8_for)
     return "int16" if backend == "avx2_i8" and block_format(fmt).lut else "int8"
 
 
