@@ -224,7 +224,7 @@ class BertEncoder(nn.Module):
                 mapping[me + f"down.{part}"] = hf + f"output.dense.{part}"
                 mapping[me + f"mlp_norm.{part}"] = hf + f"output.LayerNorm.{part}"
                 qkv = [hf + f"attention.self.{w}.{part}" for w in ("query", "key", "value")]
-                if not (part == "weight" and "qkv" in self.layers[i].quantized):
+                if qkv[0] not in used:  # not kept as blocks above
                     own[me + f"qkv.{part}"].copy_(torch.cat([state[n] for n in qkv]))
                 used.update(qkv)
         if "embeddings.token_type_embeddings.weight" not in state:  # models without token types
@@ -232,8 +232,7 @@ class BertEncoder(nn.Module):
         for mine, theirs in mapping.items():
             if theirs not in state:
                 raise KeyError(f"the checkpoint has no {theirs}")
-            if mine.endswith(".weight") and mine.split(".")[-2] in LINEARS and \
-                    mine.split(".")[-2] in self.layers[int(mine.split(".")[1])].quantized:
+            if theirs in used:
                 continue  # kept as blocks above
             own[mine].copy_(state[theirs])
             used.add(theirs)

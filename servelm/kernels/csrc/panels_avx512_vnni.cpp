@@ -77,13 +77,8 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
         }
         const __mmask64 tail = kb - b >= 4 ? ~0ull : (1ull << (16 * (kb - b))) - 1ull;
         const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);
-        __m512i lo = _mm512_and_si512(raw, low4);
-        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-        if constexpr (Traits<F>::lut) {  // IQ4_NL, IQ4_XS: the nibbles' codes (kIq4Codes)
-          const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Codes)));
-          lo = _mm512_shuffle_epi8(t, lo);
-          hi = _mm512_shuffle_epi8(t, hi);
-        }
+        __m512i lo = lut_bytes<F>(_mm512_and_si512(raw, low4));
+        __m512i hi = lut_bytes<F>(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
         if constexpr (Traits<F>::crumbs) {  // whole quads (k-quants): no tail
           add_crumbs_quad(reinterpret_cast<const uint8_t*>(h1 + b), lo, hi);
         } else if constexpr (Traits<F>::planes >= 1) {

@@ -77,6 +77,17 @@ static inline void row_scales_k(const QWeight& w, int64_t n, float* s0, float* s
   for (int64_t c = kb; c < padded; ++c) s0[c] = s1[c] = 0.0f;
 }
 
+// row_scales_ref's numbers for any format: the k-quants' derived scales, else the fp16 scales (and minimums).
+template <Fmt F>
+static inline void row_scales_of(const QWeight& w, int64_t n, float* s0, float* s1, int64_t padded) {
+  if constexpr (Traits<F>::kquant) {
+    row_scales_k<F>(w, n, s0, s1, padded);
+  } else {
+    row_scales(w.d + n * w.KB, w.KB, padded, s0);
+    if constexpr (Traits<F>::has_min) row_scales(w.m + n * w.KB, w.KB, padded, s1);
+  }
+}
+
 static inline float min_term(const float* mrow, const float* xsum, int64_t kb) {
   __m256 acc = _mm256_setzero_ps();
   int64_t c = 0;
@@ -308,14 +319,7 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
     if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, std::min<int64_t>(kNr, w.N - n - kAhead));
-    for (int j = 0; j < nr; ++j) {
-      if constexpr (Traits<F>::kquant) {
-        row_scales_k<F>(w, n + j, dn + j * ld, mn + j * ld, ld);
-      } else {
-        row_scales(w.d + (n + j) * w.KB, w.KB, ld, dn + j * ld);
-        if (Traits<F>::has_min) row_scales(w.m + (n + j) * w.KB, w.KB, ld, mn + j * ld);
-      }
-    }
+    for (int j = 0; j < nr; ++j) row_scales_of<F>(w, n + j, dn + j * ld, mn + j * ld, ld);
     const bool tile = nr == kNr && !streamed;
     for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
       const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));
@@ -335,15 +339,7 @@ void gemm_avx2(const XQ& x, const QWeight& w, const float* bias, float* y, int64
 }
 
 void row_scales_avx2(const QWeight& w, int64_t n, float* s0, float* s1, int64_t padded) {
-  dispatch_fmt(w.fmt, [&](auto f) {
-    constexpr Fmt F = decltype(f)::value;
-    if constexpr (Traits<F>::kquant) {
-      avx2::row_scales_k<F>(w, n, s0, s1, padded);
-    } else {
-      avx2::row_scales(w.d + n * w.KB, w.KB, padded, s0);
-      if constexpr (Traits<F>::has_min) avx2::row_scales(w.m + n * w.KB, w.KB, padded, s1);
-    }
-  });
+  dispatch_fmt(w.fmt, [&](auto f) { avx2::row_scales_of<decltype(f)::value>(w, n, s0, s1, padded); });
 }
 
 void gemm_avx2_i8(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {

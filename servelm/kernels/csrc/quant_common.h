@@ -175,6 +175,15 @@ __attribute__((target("avx512f,avx512bw"))) inline void add_crumbs_quad(const ui
   hi = _mm512_ternarylogic_epi32(hi, _mm512_srlv_epi16(v, hi_shift), m, 0xF8);
 }
 
+// The lookup formats (IQ4_NL, IQ4_XS): nibble bytes -> their codes (kIq4Codes), one vpshufb (AVX-512 BW: the
+// int8 micro-kernel and the panel decoding); other formats as they are.
+template <Fmt F>
+__attribute__((target("avx512f,avx512bw"))) inline __m512i lut_bytes(__m512i nib) {
+  if constexpr (!Traits<F>::lut) return nib;
+  return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Codes))),
+                             nib);
+}
+
 // The same for one pair of blocks on AVX2 (half 0 or 1 of its quad: 32 bytes of L and of H).
 template <int H>
 __attribute__((target("avx2"))) inline void add_crumbs_pair(const uint8_t* c32, __m256i& lo, __m256i& hi) {
