@@ -100,6 +100,24 @@ static inline float min_term(const float* mrow, const float* xsum, int64_t kb) {
   return hsum8(acc);
 }
 
+// min_term with the minimums read in place as fp16 (F16C: the same values, the same sequence of fmas).
+static inline float min_term_h(const uint16_t* m, const float* xsum, int64_t kb) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= kb; c += 8)
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + c))),
+                          _mm256_loadu_ps(xsum + c), acc);
+  if (c < kb) {
+    alignas(16) uint16_t mt[8] = {0};
+    alignas(32) float xt[8] = {0};
+    std::memcpy(mt, m + c, static_cast<size_t>(kb - c) * 2);
+    std::memcpy(xt, xsum + c, static_cast<size_t>(kb - c) * 4);
+    acc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mt))),
+                          _mm256_load_ps(xt), acc);
+  }
+  return hsum8(acc);
+}
+
 // 16 bits -> 16 words: `value` where the bit is set, else 0.
 static inline __m256i plane_bits(uint32_t bits16, __m256i value) {
   const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
@@ -209,6 +227,15 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
     xc[r] = x.corr ? x.corr + (i0 + r) * (x.KBp / 4) * 32 : nullptr;
   }
   const bool ahead = n + NR - 1 + kAhead < w.N;
+  // The 32-weight formats read their fp16 scales (and minimums) in place, a pair of blocks at a time, as the
+  // AVX-512 kernel does: the driver's fp32 copy of them, made per micro-tile, had taken a third of the kernel's
+  // time at the default model's K = 576. The same exact conversion (F16C), so the same bits.
+  constexpr bool direct = !Traits<F>::kquant;
+  const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const auto half_pair = [&](const uint16_t* p, bool both) {  // [p[0] x4, p[1] x4] (p[1] = 0 unless both)
+    const int32_t bits = both ? static_cast<int32_t>(p[0] | static_cast<uint32_t>(p[1]) << 16) : p[0];
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(bits))), spread);
+  };
   // The tile's rows are consecutive: base pointers per row and constant strides, the row's last block peeled
   // when KB is odd (per-row index arithmetic in the loop spilled the general registers, as on AVX-512).
   const int64_t qstride = kb * 16;
@@ -243,8 +270,13 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
         lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(q[0] >> (32 * half)), v));
         hi = _mm256_or_si256(hi, plane_bytes(static_cast<uint32_t>(q[1] >> (32 * half)), v));
       }
-      const float* d = dn + j * ld + b;
-      const __m256 ws = _mm256_blend_ps(_mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]), 0xF0);
+      __m256 ws;
+      if constexpr (direct) {
+        ws = half_pair(w.d + (n + j) * kb + b, whole);
+      } else {
+        const float* d = dn + j * ld + b;
+        ws = _mm256_blend_ps(_mm256_set1_ps(d[0]), _mm256_set1_ps(d[1]), 0xF0);
+      }
       __m256 ws1 = ws;
       if constexpr (Traits<F>::split) {
         const float* d1 = mn + j * ld + b;
@@ -285,7 +317,10 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < NR; ++j) {
       float v = hsum8(acc[j][r]);
-      if constexpr (Traits<F>::has_min) v += min_term(mn + j * ld, x.xsum + (i0 + r) * x.ss, kb);
+      if constexpr (Traits<F>::has_min) {
+        const float* xsum = x.xsum + (i0 + r) * x.ss;
+        v += direct ? min_term_h(w.m + (n + j) * kb, xsum, kb) : min_term(mn + j * ld, xsum, kb);
+      }
       y[(i0 + r) * w.N + n + j] = bias ? v + bias[n + j] : v;
     }
 }
@@ -319,7 +354,9 @@ static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int
   for (int64_t n = n0; n < n1; n += kNr) {
     const int nr = static_cast<int>(std::min<int64_t>(kNr, n1 - n));
     if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, std::min<int64_t>(kNr, w.N - n - kAhead));
-    for (int j = 0; j < nr; ++j) row_scales_of<F>(w, n + j, dn + j * ld, mn + j * ld, ld);
+    // the int8 micro-kernel of a 32-weight nibble format reads the fp16 scales itself (micro_i8)
+    constexpr bool scales_in_place = I8 && Traits<F>::nibbles && !Traits<F>::kquant;
+    for (int j = 0; j < (scales_in_place ? 0 : nr); ++j) row_scales_of<F>(w, n + j, dn + j * ld, mn + j * ld, ld);
     const bool tile = nr == kNr && !streamed;
     for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
       const int r = static_cast<int>(std::min<int64_t>(kR, x.M - i0));
