@@ -210,7 +210,7 @@ class OpenAIServing:
             raise bad(f"{model} is a generative model: this server does not embed. Start an embedding server with "
                       "`servelm serve --model-path <embedding model> --is-embedding` (vLLM: --runner pooling).",
                       "model")
-        raise bad(f"{model} is a generative model: reranking needs a cross-encoder server (`servelm serve "
+        raise bad(f"{model} is a generative model: classification needs a cross-encoder server (`servelm serve "
                   "--model-path <BertForSequenceClassification folder>`).", "model")
 
     def check_ids(self, ids: list[int], param: str) -> None:

@@ -35,6 +35,7 @@ class ScoreRequest(_TopRequest):
     text_1: str | list[str] | None = None  # vLLM's
     text_2: str | list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    instruction: str | None = None  # pairs on a decoder reranker: its task line (serving_rerank.RERANK_INSTRUCTION)
 
 
 class ScoreResponse(_Response):
@@ -86,6 +87,9 @@ class ServingScore(OpenAIServing):
         if self.manager.model_info.get("task") in ("score", "embed") or pairs:
             return await self.score_pairs(req, request)
         self.check_model(req.model)
+        if req.instruction is not None:
+            raise bad("instruction goes with text_1 and text_2 (pair scoring by a decoder reranker), not with "
+                      "label_token_ids", "instruction")
         if req.truncate_prompt_tokens is not None:  # never dropped silently
             raise bad("truncate_prompt_tokens applies to pair scoring (a cross-encoder or an embedding model), "
                       "not to label scoring", "truncate_prompt_tokens")
@@ -121,13 +125,17 @@ class ServingScore(OpenAIServing):
                                              total_tokens=prompt_tokens))
 
     async def score_pairs(self, req: ScoreRequest, request: Request) -> Any:
-        """vLLM's pair scoring on a cross-encoder or an embedding model: `text_1` with `text_2`, or SGLang's
-        text `query` with `items`."""
+        """vLLM's pair scoring (a cross-encoder, an embedding model, or a generative model as a yes/no
+        reranker): `text_1` with `text_2`, or on a cross-encoder or embedding model SGLang's text `query` with
+        `items`."""
         from servelm.entrypoints.serving_rerank import ServingRerank
 
         rerank = ServingRerank(self.state)
-        rerank.check_pair_model(req.model)
-        if req.label_token_ids is not None:
+        if rerank.check_pair_model(req.model) == "generate":  # here because text_1 or text_2 came
+            if req.label_token_ids is not None:
+                raise bad("label_token_ids goes with query and items (label scoring), not with text_1 and text_2 "
+                          "(pairs scored as a yes/no reranker)", "label_token_ids")
+        elif req.label_token_ids is not None:
             raise bad("label_token_ids scores a generative model's next token; this model scores pairs: send "
                       "text_1 and text_2", "label_token_ids")
         if req.text_1 is None and req.text_2 is None:
@@ -135,10 +143,10 @@ class ServingScore(OpenAIServing):
                     not all(isinstance(i, str) for i in ([req.items] if isinstance(req.items, str) else req.items)):
                 raise bad("send text_1 and text_2 (or a text query and text items) to score pairs", "text_1")
             return await rerank.score_pairs(req.query, req.items, req.truncate_prompt_tokens,  # type: ignore[arg-type]
-                                            request)
+                                            request, req.instruction)
         if req.text_1 is None or req.text_2 is None:
             raise bad("text_1 and text_2 are both required", "text_1" if req.text_1 is None else "text_2")
-        return await rerank.score_pairs(req.text_1, req.text_2, req.truncate_prompt_tokens, request)
+        return await rerank.score_pairs(req.text_1, req.text_2, req.truncate_prompt_tokens, request, req.instruction)
 
     def submit_scoring(self, prompts: list[list[int]], label_token_ids: list[int]) -> Any:
         """Prefill-only requests whose final outputs carry the labels' logprobs."""

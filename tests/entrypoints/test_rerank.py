@@ -1,7 +1,7 @@
 """POST /v1/rerank over real HTTP on a cross-encoder built in code (a tiny random BertForSequenceClassification):
 scores equal to sentence-transformers' CrossEncoder.predict, sorted, top_n, documents as text or objects, the
-/rerank and /v2/rerank aliases; bad input is a 400 and the server serves on; an embedding server and a
-generative one refuse rerank, and a reranker refuses embeddings and chat."""
+/rerank and /v2/rerank aliases; bad input is a 400 and the server serves on; an embedding server refuses
+rerank, a generative one classify, and a reranker refuses embeddings and chat."""
 
 from __future__ import annotations
 
@@ -103,11 +103,10 @@ def test_vllm_pair_scores_on_v1_score(server: ServerProcess, model: Path) -> Non
     assert r.status_code == 400 and "this model scores pairs" in r.json()["message"]
 
 
-def test_a_generative_server_refuses_rerank_and_pair_scores(parity_server: ServerProcess) -> None:
-    r = _post(parity_server, "/v1/rerank", {"query": QUERY, "documents": DOCS})
-    assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["error"]["message"]
-    r = _post(parity_server, "/v1/score", {"text_1": QUERY, "text_2": DOCS})
-    assert r.status_code == 400 and "reranking needs a cross-encoder server" in r.json()["message"]
+def test_a_generative_server_refuses_classify(parity_server: ServerProcess) -> None:
+    """(A generative server reranks as a yes/no reranker: tests/entrypoints/test_decoder_rerank.py.)"""
+    r = _post(parity_server, "/classify", {"input": QUERY})
+    assert r.status_code == 400 and "classification needs a cross-encoder server" in r.json()["error"]["message"]
 
 
 def test_classify_gives_each_inputs_class_probabilities(server: ServerProcess, model: Path) -> None:
