@@ -187,8 +187,6 @@ class ServerArgs:
             (self.dp_cpus is None or self.dp_size > 1, "--dp-cpus needs --dp-size > 1"),
             (self.speculative_draft_model_path is None or (self.speculative_algorithm or "").lower() == "draft",
              "--speculative-draft-model-path needs --speculative-algorithm draft"),
-            (self.speculative_draft_model_path is None or self.tp_size == 1,
-             "--speculative-algorithm draft needs --tp-size 1 for now (the draft model would run on rank 0 alone)"),
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
             (1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}"),

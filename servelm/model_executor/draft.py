@@ -9,13 +9,18 @@ prefix it shares with the request's context (the rest were rejected draft tokens
 are prefilled in one forward, and then k - 1 one-token forwards follow. A request that ends gives its draft
 slots back; one that finds the pool full simply gets no draft this step.
 
-TP: the draft runs on rank 0 only, so it is refused with --tp-size > 1 for now (its layers would shard over
-the target's TP group).
+TP: the draft runs whole on rank 0 (the scheduler's rank), and its proposals ride in the step to the other
+ranks as n-gram drafts do. Its layers are built and run inside `single_rank()`, a world of one installed as
+the TP group, so that they neither shard nor all-reduce over the target's group (the target's steps never run
+while the draft does: both are called from the scheduler's thread, and the followers' keep-alives carry a
+group of their own).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from servelm.config import ConfigError, ServerArgs
@@ -29,19 +34,34 @@ logger = logging.getLogger(__name__)
 _GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1)
 
 
+@contextlib.contextmanager
+def single_rank() -> Iterator[None]:
+    """A world of one as the TP group while the draft builds or runs (the target's group back afterwards)."""
+    from servelm.distributed.parallel_state import TPGroup, get_tp_group, set_tp_group
+
+    target = get_tp_group()
+    if target.world_size == 1:
+        yield
+        return
+    set_tp_group(TPGroup(device=target.device))
+    try:
+        yield
+    finally:
+        set_tp_group(target)
+
+
 class DraftModel:
     """The draft model and its KV pool; `propose` drafts for one request (SpecState holds its draft KV)."""
 
     def __init__(self, server_args: ServerArgs, path: str, target_vocab_size: int, max_tokens: int) -> None:
         from servelm.model_executor.model_runner import ModelRunner
 
-        if server_args.tp_size > 1:
-            raise ConfigError("--speculative-algorithm draft needs --tp-size 1 for now (the draft model would run "
-                              "on rank 0 alone)")
         args = server_args.replace(model_path=path, max_total_tokens=max_tokens, speculative_algorithm=None,
-                                   speculative_draft_model_path=None,
-                                   is_embedding=False, runner="generate", page_size=1, prefix_cache_dir=None)
-        self.runner = ModelRunner(args)
+                                   speculative_draft_model_path=None, tp_size=1, nnodes=1, node_rank=0,
+                                   dist_init_addr=None, is_embedding=False, runner="generate", page_size=1,
+                                   prefix_cache_dir=None)
+        with single_rank():
+            self.runner = ModelRunner(args)
         # The same tokenizer, its embedding table perhaps padded less: every draft token is then a target token.
         if self.runner.vocab_size > target_vocab_size:
             raise ConfigError(f"the draft model {path} has a vocabulary of {self.runner.vocab_size} tokens and the "
@@ -54,7 +74,8 @@ class DraftModel:
         step = StepInput(list(ids), list(range(start, start + len(ids))), list(slots), [len(ids)],
                          [context_slots + slots], [len(ids) - 1],
                          [SamplingRow(_GREEDY, 0, 0, start + len(ids), [], [])])
-        out = self.runner.execute(step)
+        with single_rank():
+            out = self.runner.execute(step)
         assert out is not None
         return int(out.token_ids[0])
 

@@ -184,3 +184,29 @@ def test_tp2_with_speculation_equals_tp1(tiny_models) -> None:
         for x, y in zip(a, b, strict=True):
             assert x["output_ids"] == y["output_ids"]
             assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4
+
+
+def test_tp2_with_a_draft_model_gives_tp1_tokens(tiny_models) -> None:
+    """--speculative-algorithm draft under TP: the draft (here the target itself, so it always agrees) runs whole
+    on rank 0 in a world of one, its proposals ride in the step; the tokens and logprobs are TP=1's without
+    speculation, and the draft's KV pool comes back whole."""
+    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True, "logprobs": True}
+    outs = {}
+    for tp, algo in ((1, None), (2, "draft")):
+        engine = Engine(model_path=str(tiny_models["llama"]), max_total_tokens=2048, tp_size=tp,
+                        speculative_algorithm=algo, speculative_max_batch=8,
+                        speculative_draft_model_path=str(tiny_models["llama"]) if algo else None)
+        try:
+            outs[tp] = [engine.generate(input_ids=_prompts(), sampling_params=params)]
+            info = engine.scheduler.server_info()
+            if algo:
+                draft = engine.scheduler.spec.draft_model  # type: ignore[union-attr]
+                assert draft.runner.tp_size == 1 and draft.free_tokens == draft.runner.num_pages
+        finally:
+            engine.shutdown()
+    assert info["spec_decode_num_drafts"] > 0
+    assert info["spec_decode_num_accepted_tokens"] == info["spec_decode_num_draft_tokens"]
+    for a, b in zip(outs[2], outs[1], strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert x["output_ids"] == y["output_ids"]
+            assert max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True)) < 1e-4

@@ -68,8 +68,6 @@ def test_flags(tiny_llama: tuple[Path, Any], default_tokenizer_dir: Path, tmp_pa
         ServerArgs(speculative_algorithm="draft")
     with pytest.raises(ConfigError, match="needs --speculative-algorithm draft"):
         ServerArgs(speculative_draft_model_path=path)
-    with pytest.raises(ConfigError, match="needs --tp-size 1"):
-        ServerArgs(speculative_algorithm="draft", speculative_draft_model_path=path, tp_size=2)
     args = ServerArgs(speculative_config=f'{{"model": "{path}", "num_speculative_tokens": 3}}')
     assert (args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_draft_tokens) == (
         "draft", path, 3)
