@@ -527,11 +527,7 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
 
 def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
-    its rows not bitwise the micro-kernel's; also q8_0 on avx512_vnni_i8, whose decode keeps int16) or "fp32"
-    (weights dequantised into tiles, fp32 FMA)."""
-    backend = backend or kernel_backend()
-    if fmt == "q8_0" and backend == "avx512_vnni_i8":  # csrc/quant_ops.cpp panel_for
-        return "int8"
+    its rows not bitwise the micro-kernel's) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
     return "int8" if activation_scheme(fmt, backend) == "int8" else "fp32"
 
 

@@ -491,13 +491,3 @@ def test_iq4_nl_keeps_the_int16_scheme_on_avx2():
     assert quant.tiles_min_rows("iq4_nl", "avx2_i8") == quant.TILES_MIN_ROWS
     assert quant.activation_scheme("iq4_nl", "avx512_vnni_i8") == "int8"
     assert quant.many_rows_scheme("iq4_nl", "avx512_vnni_i8") == "int8"
-
-
-def test_q8_0_many_rows_take_the_int8_panel_on_avx512_vnni():
-    """Q8_0 decodes in the int16 scheme everywhere (bound by memory there); its many rows take the int8 panel
-    GEMM on AVX-512 VNNI (codes + 128 as unsigned, the offset through x's correction: the checks above run it
-    from tiles_min_rows rows) and the fp32 tiles on AVX2, whose vpmaddubsw would saturate on codes up to 255."""
-    assert quant.activation_scheme("q8_0", "avx512_vnni_i8") == "int16"
-    assert quant.many_rows_scheme("q8_0", "avx512_vnni_i8") == "int8"
-    assert quant.many_rows_scheme("q8_0", "avx2_i8") == "fp32"
-    assert quant.many_rows_scheme("q8_0", "avx512_vnni") == "fp32"

@@ -131,10 +131,6 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
     }
 }
 
-// The formats this panel decodes: the nibble formats (Q8_0's codes + 128 would saturate vpmaddubsw's pair sums).
-template <Fmt F>
-constexpr bool kPanelFmt = Traits<F>::nibbles;
-
 #include "panels_driver.inc"
 
 }  // namespace

@@ -64,7 +64,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
     const int64_t row = n + j;
     std::fill(s1j, s1j + kbg, 0.0f);
     row_scales_avx512(w, row, s0j, s1j, kbg);
-    const uint8_t* q = w.qs + row * kb * Traits<F>::payload;
+    const uint8_t* q = w.qs + row * kb * 16;
     const uint64_t* h1 = Traits<F>::planes >= 1 ? w.qh + row * kp : nullptr;
     const uint64_t* h2 = Traits<F>::planes >= 2 && !Traits<F>::crumbs ? w.qh2 + row * kp : nullptr;
     for (int64_t g = 0; g < G; ++g) {
@@ -76,23 +76,9 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
           continue;
         }
         const __mmask64 tail = kb - b >= 4 ? ~0ull : (1ull << (16 * (kb - b))) - 1ull;
-        __m512i lo, hi;
-        if constexpr (F == Q8_0) {
-          // the quad's 128 bytes are its blocks whole ([b k 0..31, b+1 k 0..31], [b+2 .., b+3 ..]): the 16-byte
-          // lanes k 0..15 of each block make lo, k 16..31 hi; signed codes + 128 (xor 0x80) as unsigned, the
-          // offset 128 taken out through x's correction
-          const int64_t v = std::min<int64_t>(4, kb - b);
-          const __m512i a = _mm512_maskz_loadu_epi8(v >= 2 ? ~0ull : (1ull << 32) - 1ull, q + b * 32);
-          const __m512i c = v > 2 ? _mm512_maskz_loadu_epi8(v == 4 ? ~0ull : (1ull << 32) - 1ull, q + b * 32 + 64)
-                                  : _mm512_setzero_si512();
-          const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-          lo = _mm512_maskz_mov_epi8(tail, _mm512_xor_si512(_mm512_shuffle_i32x4(a, c, 0x88), flip));  // padding: 0
-          hi = _mm512_maskz_mov_epi8(tail, _mm512_xor_si512(_mm512_shuffle_i32x4(a, c, 0xDD), flip));
-        } else {
-          const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);
-          lo = lut_bytes<F>(_mm512_and_si512(raw, low4));
-          hi = lut_bytes<F>(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
-        }
+        const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);
+        __m512i lo = lut_bytes<F>(_mm512_and_si512(raw, low4));
+        __m512i hi = lut_bytes<F>(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
         if constexpr (Traits<F>::crumbs) {  // whole quads (k-quants): no tail
           add_crumbs_quad(reinterpret_cast<const uint8_t*>(h1 + b), lo, hi);
         } else if constexpr (Traits<F>::planes >= 1) {
@@ -123,7 +109,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
 template <Fmt F, int R>
 inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G, const XP& x, int64_t i0,
                   float out[kNr][kR]) {
-  constexpr bool split = Traits<F>::split, off = Traits<F>::offset != 0 || F == Q8_0;  // Q8_0: codes + 128
+  constexpr bool split = Traits<F>::split, off = Traits<F>::offset != 0;
   const int64_t kbg = G * kGb, wstride = G * kGroupBytes;
   __m512 acc[kNr][R];
   for (int j = 0; j < kNr; ++j)
@@ -173,10 +159,6 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
   for (int j = 0; j < kNr; ++j)
     for (int r = 0; r < R; ++r) out[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
-
-// The formats this panel decodes: the nibble formats, and Q8_0 (its signed bytes + 128).
-template <Fmt F>
-constexpr bool kPanelFmt = Traits<F>::nibbles || F == Q8_0;
 
 #include "panels_driver.inc"
 

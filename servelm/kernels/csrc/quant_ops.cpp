@@ -27,12 +27,6 @@ inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAv
 inline bool int8_for(int64_t isa, Fmt f) {
   return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f));
 }
-// Whether linear_tiles (many rows) takes the int8 panel GEMM: the int8 scheme's formats, and on AVX-512 VNNI
-// Q8_0 too (its signed codes + 128 as unsigned, offset 128; its decode keeps the int16 scheme, bound by memory
-// there). AVX2's vpmaddubsw would saturate on codes up to 255, so Q8_0 keeps the fp32 tiles on AVX2.
-inline bool panel_for(int64_t isa, Fmt f) { return int8_for(isa, f) || (isa == kAvx512VnniI8 && f == Q8_0); }
-// The offset the panel's x correction takes out (Q8_0's + 128 there).
-inline int panel_offset(Fmt f) { return f == Q8_0 ? 128 : fmt_offset(f); }
 
 // Whether `isa` may run on this CPU (best: best_isa()).
 inline bool isa_available(int64_t isa, int64_t best) { return isa >= kScalar && isa <= kAvx2I8 && base_isa(isa) <= best; }
@@ -357,7 +351,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
-  if (panel_for(isa, w.fmt)) {  // the int8 scheme's panel GEMM instead of fp32 tiles
+  if (int8_for(isa, w.fmt)) {  // the int8 scheme's panel GEMM instead of fp32 tiles
     const int64_t gb = isa == kAvx2I8 ? 8 : 16;  // blocks per group: the int32 lanes of a vector
     const int64_t G = (w.KB + gb - 1) / gb, ss = 2 * G * gb;
     at::Tensor xq = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kChar));
@@ -367,7 +361,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     int8_t* qp = xq.data_ptr<int8_t>();
     float* sp = xs.data_ptr<float>();
     int32_t* cp = xc.data_ptr<int32_t>();
-    const int off = panel_offset(w.fmt);
+    const int off = fmt_offset(w.fmt);
     const bool split = fmt_split(w.fmt);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t i = m0; i < m1; ++i)
