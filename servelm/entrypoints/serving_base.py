@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -320,6 +321,25 @@ class OpenAIServing:
             raise bad(str(exc), "n") from None
         except SchedulerUnavailableError as exc:
             raise ApiError(503, str(exc), type="service_unavailable") from None
+
+    async def label_logprobs(self, prompts: list[list[int]], labels: list[int], request: Request,
+                             prefix: str) -> list[list[float]] | Any:
+        """Prefill-only requests whose final outputs carry the logprobs of `labels` after each prompt (the
+        scheduler's scoring rows; /v1/score's label scoring, a decoder reranker's yes/no): each prompt's
+        logprobs in label order, or the response of a client that hung up (not a list)."""
+        params = SamplingParams(max_new_tokens=0, temperature=0.0)
+        group = self.submit(prompts, params, f"{prefix}-{uuid.uuid4().hex}", False, label_token_ids=labels)
+        result = await self.run_or_stream(group, request, None)
+        if not isinstance(result, list):
+            return result
+        out = []
+        for acc in result:
+            logprobs = acc.label_logprobs
+            if logprobs is None or len(logprobs) != len(labels):
+                raise ApiError(500, f"scoring failed: {acc.finish_reason and acc.finish_reason.to_dict()}",
+                               type="internal_error")
+            out.append(list(logprobs))
+        return out
 
     async def run_or_stream(self, group: RequestGroup, request: Request, stream_gen: Any) -> Any:
         if stream_gen is not None:

@@ -20,15 +20,16 @@ from __future__ import annotations
 import math
 import time
 import uuid
+import weakref
 from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel, Field
 
-from servelm.entrypoints.http_common import ApiError, bad
+from servelm.entrypoints.http_common import bad
 from servelm.entrypoints.openai_protocol import _Response, _TopRequest
 from servelm.entrypoints.serving_embedding import MAX_INPUTS, ServingEmbedding, decode_vector
-from servelm.sampling_params import SamplingParams, input_length_error
+from servelm.sampling_params import input_length_error
 
 
 class RerankDocument(BaseModel):
@@ -50,14 +51,14 @@ RERANK_SYSTEM = ('Judge whether the Document meets the requirements based on the
                  'Note that the answer can only be "yes" or "no".')
 RERANK_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
 _MARK = "\x00servelm-rerank\x00"
-_frames: dict[int, tuple[str, str]] = {}
+_frames: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()  # by tokenizer
 
 
 def rerank_frame(tokenizer: Any) -> tuple[str, str]:
     """The text before and after the user turn of a decoder reranker's prompt: the model's chat template with
     RERANK_SYSTEM as the system turn, the generation prompt and thinking off (for a Qwen3 template exactly
     Qwen3-Reranker's prefix and suffix), or Qwen3-Reranker's own ChatML frame for a tokenizer without one."""
-    frame = _frames.get(id(tokenizer))
+    frame = _frames.get(tokenizer)
     if frame is None:
         messages = [{"role": "system", "content": RERANK_SYSTEM}, {"role": "user", "content": _MARK}]
         try:
@@ -69,7 +70,7 @@ def rerank_frame(tokenizer: Any) -> tuple[str, str]:
             text = (f"<|im_start|>system\n{RERANK_SYSTEM}<|im_end|>\n<|im_start|>user\n{_MARK}<|im_end|>\n"
                     "<|im_start|>assistant\n<think>\n\n</think>\n\n")
         before, after = text.split(_MARK)
-        frame = _frames[id(tokenizer)] = (before, after)
+        frame = _frames[tokenizer] = (before, after)
     return frame
 
 
@@ -170,19 +171,10 @@ class ServingRerank(ServingEmbedding):
             ids = pre + body + post
             self.check_context(len(ids), 0, f"{param}.{i}", param)
             prompts.append(ids)
-        params = SamplingParams(max_new_tokens=0, temperature=0.0)
-        group = self.submit(prompts, params, f"rerank-{uuid.uuid4().hex}", False, label_token_ids=list(labels))
-        result = await self.run_or_stream(group, request, None)
+        result = await self.label_logprobs(prompts, list(labels), request, "rerank")
         if not isinstance(result, list):
             return result  # the client hung up
-        scores = []
-        for acc in result:
-            logprobs = acc.label_logprobs
-            if logprobs is None or len(logprobs) != 2:
-                raise ApiError(500, f"scoring failed: {acc.finish_reason and acc.finish_reason.to_dict()}",
-                               type="internal_error")
-            yes, no = logprobs
-            scores.append(1.0 / (1.0 + math.exp(no - yes)))  # the softmax of the two, P(yes)
+        scores = [1.0 / (1.0 + math.exp(no - yes)) for yes, no in result]  # the softmax of the two: P(yes)
         return scores, sum(len(p) for p in prompts)
 
     def pairs(self, queries: list[str], docs: list[str], keep: int | None,

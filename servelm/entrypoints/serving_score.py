@@ -10,16 +10,14 @@ softmax over the label tokens' logprobs (the labels' probabilities renormalised 
 from __future__ import annotations
 
 import math
-import uuid
 from typing import Any
 
 from fastapi import Request
 from pydantic import Field
 
-from servelm.entrypoints.http_common import ApiError, bad
+from servelm.entrypoints.http_common import bad
 from servelm.entrypoints.openai_protocol import UsageInfo, _Response, _TopRequest
 from servelm.entrypoints.serving_base import OpenAIServing
-from servelm.sampling_params import SamplingParams
 
 
 class ScoreRequest(_TopRequest):
@@ -108,17 +106,10 @@ class ServingScore(OpenAIServing):
             if not ids:
                 raise bad("query and item must not both be empty", "query")
             self.check_context(len(ids), 0, "items", "items")
-        group = self.submit_scoring(prompts, req.label_token_ids)
-        result = await self.run_or_stream(group, request, None)
+        result = await self.label_logprobs(prompts, req.label_token_ids, request, "score")
         if not isinstance(result, list):
             return result  # the client hung up
-        scores = []
-        for acc in result:
-            logprobs = acc.label_logprobs
-            if logprobs is None or len(logprobs) != len(req.label_token_ids):
-                raise ApiError(500, f"scoring failed: {acc.finish_reason and acc.finish_reason.to_dict()}",
-                               type="internal_error")
-            scores.append(label_scores(logprobs, req.apply_softmax))
+        scores = [label_scores(logprobs, req.apply_softmax) for logprobs in result]
         prompt_tokens = sum(len(p) for p in prompts)
         return ScoreResponse(scores=scores, model=self.state.model_name,
                              usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=0,
@@ -147,8 +138,3 @@ class ServingScore(OpenAIServing):
         if req.text_1 is None or req.text_2 is None:
             raise bad("text_1 and text_2 are both required", "text_1" if req.text_1 is None else "text_2")
         return await rerank.score_pairs(req.text_1, req.text_2, req.truncate_prompt_tokens, request, req.instruction)
-
-    def submit_scoring(self, prompts: list[list[int]], label_token_ids: list[int]) -> Any:
-        """Prefill-only requests whose final outputs carry the labels' logprobs."""
-        params = SamplingParams(max_new_tokens=0, temperature=0.0)
-        return self.submit(prompts, params, f"score-{uuid.uuid4().hex}", False, label_token_ids=label_token_ids)
