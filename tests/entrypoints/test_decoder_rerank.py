@@ -23,13 +23,11 @@ import transformers
 from servelm.entrypoints.serving_rerank import RERANK_INSTRUCTION, RERANK_SYSTEM, yes_no_ids
 from tests.conftest import build_tiny_model
 from tests.entrypoints.test_reasoning import TEMPLATE as QWEN3_TEMPLATE
+from tests.entrypoints.test_rerank import DOCS, QUERY, assert_ranked
 from tests.server_fixtures import ServerProcess, start_server
 
 pytestmark = pytest.mark.slow  # starts a server
 
-QUERY = "what do llamas eat?"
-DOCS = ["Llamas eat grass and hay.", "The stock market fell today.", "A llama is a camelid from South America.",
-        "Bonjour, ça va ?", "word " * 40]
 PREFIX = f"<|im_start|>system\n{RERANK_SYSTEM}<|im_end|>\n<|im_start|>user\n"  # Qwen3-Reranker's model card
 SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 CHATML_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"  # the default model's template: no thinking block
@@ -85,14 +83,8 @@ def test_rerank_equals_qwen3_rerankers_recipe(server: ServerProcess, qwen3: tupl
     ref = reference_scores(qwen3[1], tokenizer, QUERY, DOCS)
     assert max(ref) - min(ref) > 1e-3  # the random model tells the documents apart
     r = _post(server, "/v1/rerank", {"model": "qwen3-reranker", "query": QUERY, "documents": DOCS})
-    assert r.status_code == 200, r.text
-    body = r.json()
+    body = assert_ranked(r, ref, 1e-4)
     results = body["results"]
-    assert sorted(x["index"] for x in results) == list(range(len(DOCS)))
-    assert [x["relevance_score"] for x in results] == sorted((x["relevance_score"] for x in results), reverse=True)
-    for x in results:
-        assert x["relevance_score"] == pytest.approx(ref[x["index"]], abs=1e-4)
-        assert x["document"] == {"text": DOCS[x["index"]]}
     pre, post = (len(tokenizer.encode(t, add_special_tokens=False)) for t in (PREFIX, SUFFIX))
     body_tokens = sum(len(tokenizer.encode(f"<Instruct>: {RERANK_INSTRUCTION}\n<Query>: {QUERY}\n<Document>: {d}",
                                            add_special_tokens=False)) for d in DOCS)
