@@ -552,6 +552,15 @@ def activation_scheme(fmt: str, backend: str | None = None) -> str:
     return "int16" if backend == "avx2_i8" and block_format(fmt).lut else "int8"
 
 
+def activation_block(fmt: str, backend: str | None = None) -> int:
+    """The values of x that share one int8 scale on the int8 scheme (`activation_scheme` "int8"): 256 for the
+    k-quants with integer block scales (q4_k, q5_k, q6_k) on avx2_i8 (llama.cpp's Q8_K: the micro-kernel sums a
+    super-block's scaled blocks in int32, where a scale per block of x had cost fp32 work per pair of blocks),
+    else 32 (llama.cpp's Q8_0). The panel GEMM rounds x the same way."""
+    backend = backend or kernel_backend()
+    return 256 if backend == "avx2_i8" and fmt in ("q4_k", "q5_k", "q6_k") else BLOCK
+
+
 def batch_invariant(backend: str | None = None) -> bool:
     """True when `linear`'s rows do not depend on the batch (the C++ kernel; not the torch fallback)."""
     return (backend or kernel_backend()) != "torch"

@@ -42,27 +42,46 @@ def _weight(n: int, k: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, quan
     return w, quant.quantize(w, fmt)
 
 
-def _code_step(x: torch.Tensor, scheme: str = "int16") -> torch.Tensor:
+def _int8_steps(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Per block of 32 of x (padded), the int8 scheme's step, float64: max |x| / 127 over the block (group 32), or
+    for the k-quants on AVX2 (group 256, `quant.activation_block`) the super-block's d = max |x| / 127 times the
+    block's power-of-two sub-scale 2^-e, e the largest e <= 6 with the block's max |x| * 2^e <= the
+    super-block's (C++ kSubShift)."""
+    xb = torch.nn.functional.pad(x.double(), (0, -x.shape[-1] % group)).unflatten(-1, (-1, quant.BLOCK))
+    amax = xb.abs().amax(-1, keepdim=True)
+    if group == quant.BLOCK:
+        return amax / 127
+    sup = amax.unflatten(-2, (-1, group // quant.BLOCK)).amax(-2, keepdim=True).expand(
+        *amax.shape[:-2], -1, group // quant.BLOCK, 1).flatten(-3, -2)
+    e = torch.zeros_like(amax)
+    for k in range(1, 7):
+        e = torch.where(amax * 2.0 ** k <= sup, torch.full_like(e, k), e)
+    return sup / 127 * torch.pow(2.0, -e)
+
+
+def _code_step(x: torch.Tensor, scheme: str = "int16", group: int = quant.BLOCK) -> torch.Tensor:
     """Per element of x, the step of the kernel's codes: int16 2^(e - 15) for its block's max |x| = f * 2^e,
-    int8 max |x| / 127."""
+    int8 `_int8_steps` (group: `quant.activation_block`)."""
     k = x.shape[-1]
+    if scheme == "int8":
+        return _int8_steps(x, group).expand(*x.shape[:-1], -1, quant.BLOCK).flatten(-2)[..., :k]
     blocks = torch.nn.functional.pad(x, (0, -k % quant.BLOCK)).unflatten(-1, (-1, quant.BLOCK))
     amax = blocks.abs().amax(-1, keepdim=True)
-    if scheme == "int8":
-        return (amax / 127).expand_as(blocks).flatten(-2)[..., :k]
     _, e = torch.frexp(amax)
     return torch.ldexp(torch.ones(()), (e - 15).double()).expand_as(blocks).flatten(-2)[..., :k]
 
 
 def _int8_reference(x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
-    """The int8 scheme in float64: x rounded per block of 32 to round(x * 127 / amax), the whole weight (codes
+    """The int8 scheme in float64: x rounded per block of 32 to round(x / step) (`_int8_steps`: max |x| / 127, or
+    on the k-quants on AVX2 the super-block's with the block's power-of-two sub-scale), the whole weight (codes
     and minimum) against the rounded x: the minimum term reads the sum of the rounded block, as llama.cpp's
-    q8_1 (the exact sum of x would leave an error of sum(d * code * e), as large as |w - m|)."""
+    q8_1 and q8_K (the exact sum of x would leave an error of sum(d * code * e), as large as |w - m|)."""
     k = qw.blocks * quant.BLOCK
-    xb = torch.nn.functional.pad(x.double(), (0, k - x.shape[-1])).unflatten(-1, (-1, quant.BLOCK))
-    amax = xb.abs().amax(-1, keepdim=True)
-    codes = torch.round(xb * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).clamp(-127, 127)
-    xq = (codes * (amax / 127)).flatten(-2)
+    xp = torch.nn.functional.pad(x.double(), (0, k - x.shape[-1]))
+    step = _int8_steps(xp, quant.activation_block(qw.fmt))
+    xb = xp.unflatten(-1, (-1, quant.BLOCK))
+    codes = torch.round(xb * torch.where(step > 0, 1 / step, torch.zeros_like(step))).clamp(-127, 127)
+    xq = (codes * step).flatten(-2)
     w = quant.dequantize(qw).double()
     return xq @ torch.nn.functional.pad(w, (0, k - w.shape[1])).T
 
@@ -81,7 +100,7 @@ def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: 
     if scheme != "fp32" and x.shape[0] >= quant.tiles_min_rows(qw.fmt, quant.kernel_backend()):
         scheme = quant.many_rows_scheme(qw.fmt)  # the many-rows path: fp32 tiles or the int8 panel GEMM
     if scheme != "fp32":  # x rounded to codes: half a step an element
-        bound = bound + (_code_step(x.double(), scheme) / 2) @ w.abs().T
+        bound = bound + (_code_step(x.double(), scheme, quant.activation_block(qw.fmt)) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
 
@@ -119,6 +138,13 @@ def _check_identity(qw: quant.QuantWeight, k: int) -> None:
     if quant.block_format(qw.fmt).has_min:
         scaled = quant.dequantize(_without_min(qw))[:, : qw.shape[1]]
         terms = (scaled.abs() + (quant.dequantize(qw) - scaled).abs()).T
+    elif quant.activation_block(qw.fmt) > quant.BLOCK and qw.qh is not None:
+        # Q6_K with x per super-block: its offset (-32 * scale * x's codes) is summed over the super-block apart
+        # from the unsigned codes' products, in int32 lanes converted one by one: |scale * (code + 32)| +
+        # |scale * 32| (the value of code 0 is -32 * scale)
+        base = quant.dequantize(quant.QuantWeight(qw.fmt, qw.shape, torch.zeros_like(qw.qs), qw.d, qw.m,
+                                                  torch.zeros_like(qw.qh), qw.qh2, qw.sc)).T
+        terms = (want - base).abs() + base.abs()
     else:
         terms = want.abs()
 

@@ -325,6 +325,107 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
     }
 }
 
+// The k-quants (Q4_K, Q5_K, Q6_K) with x rounded per super-block of 256 and power-of-two sub-scales per block
+// (quant_ops' prep_row_i8k, kSubShift), one weight row and R rows of x. A pair of blocks is decoded as in
+// micro_i8 and multiplied by vpmaddubsw; its int16 pair sums are multiplied by vpmaddwd with the blocks' integer
+// scales times x's multipliers 2^(kSubShift - e_j) (vpmullw once per super-block and row of x; Q4_K, Q5_K: the
+// 6-bit scale, the two halves added first; Q6_K: each half's int8 scale) into int32 lanes, over the
+// super-block's four pairs. Per super-block and row of x, also in integers: Q6_K's offset (-32 * the sum of
+// scaled scale * x's half-block sums of codes) and the minimum term's sum of scaled min * x's block sums (one
+// vpmaddwd each); then one conversion and one fma by d * x's d_fine (and one by dmin * x's d_fine), where one x
+// scale per block had cost a convert, a multiply and an fma per pair of blocks. llama.cpp's q4_K / q6_K x q8_K
+// dot products sum the same way. Bounds (the weights' codes < 64, x's |codes| <= 127, multipliers <= 64): the
+// scaled scales fit int16 (63 * 64, 128 * 64); a lane takes 8 products of a pair sum and a scaled scale per
+// super-block: Q4_K / Q5_K < 8 * 4 * 31 * 127 * 4,032 < 2^29; Q6_K < 8 * 2 * 63 * 127 * 8,192 < 2^30, and its
+// offset < 32 * 2 * 8,192 * 16 * 127 < 2^31 - 2^30: int32 holds them. Above 2^24 a lane's conversion rounds,
+// once per 256 weights.
+template <Fmt F, int R>
+static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* bias, float* y) {
+  static_assert(Traits<F>::kquant && !Traits<F>::lut, "the k-quants with 6-bit or int8 scales");
+  const int64_t kb = w.KB, nsb = kb / kSuper, qstride = kb * 16;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0f), lo16 = _mm256_set1_epi32(0xFFFF);
+  const __m256i hi16 = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const int8_t* xq[R];
+  const float* xd[R];
+  const int16_t* xsub[R];
+  for (int r = 0; r < R; ++r) {
+    xq[r] = x.q8 + (i0 + r) * kb * kBlock;
+    xd[r] = x.s + (i0 + r) * x.ss;
+    xsub[r] = x.sub + (i0 + r) * kb * 4;
+  }
+  const uint8_t* q = w.qs + n * qstride;
+  const uint64_t* h = Traits<F>::planes ? w.qh + n * plane_stride(w) : nullptr;
+  const uint8_t* sc = w.sc + n * kb * 2;
+  const bool ahead = n + kAhead < w.N;
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    // the super-block's 8 scale-byte pairs as int16 pairs per int32 lane j (block j): (s, s) for vpmaddwd
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * 16));
+    const __m256i v = Traits<F>::split ? _mm256_cvtepi8_epi16(raw) : _mm256_cvtepu8_epi16(raw);  // (s0, min | s1)
+    const __m256i s0 = _mm256_or_si256(_mm256_and_si256(v, lo16), _mm256_slli_epi32(v, 16));
+    const __m256i s1 = _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_and_si256(v, hi16));  // (min | s1) x2
+    __m256i isum[R], xs0[R], xs1[R], bs[R];
+    for (int r = 0; r < R; ++r) {
+      const int16_t* u = xsub[r] + sb * 32;
+      bs[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u));
+      const __m256i mul = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 16));
+      xs0[r] = _mm256_mullo_epi16(s0, mul);
+      xs1[r] = _mm256_mullo_epi16(s1, mul);
+      isum[r] = Traits<F>::split  // the offset 32: -32 * (s0 * x's sum of k 0..15 + s1 * that of k 16..31)
+                    ? _mm256_sub_epi32(_mm256_setzero_si256(),
+                                       _mm256_slli_epi32(_mm256_madd_epi16(_mm256_mullo_epi16(v, mul), bs[r]), 5))
+                    : _mm256_setzero_si256();
+    }
+    const auto pair = [&](auto p_c) {
+      constexpr int p = decltype(p_c)::value, half = p % 2;
+      const int64_t b = sb * kSuper + 2 * p, quad = b / 4;
+      const uint8_t* pq = q + b * 16;
+      if (ahead) prefetch(pq + kAhead * qstride);
+      const __m256i rawq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq));
+      __m256i lo = _mm256_and_si256(rawq, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(rawq, 4), low4);
+      if constexpr (Traits<F>::crumbs) {
+        add_crumbs_pair<half>(reinterpret_cast<const uint8_t*>(h + quad * 4), lo, hi);
+      } else if constexpr (Traits<F>::planes == 1) {
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(h[quad * 2] >> (32 * half)), sixteen));
+        hi = _mm256_or_si256(hi, plane_bytes(static_cast<uint32_t>(h[quad * 2 + 1] >> (32 * half)), sixteen));
+      }
+      const __m256i idx = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xr = xq[r] + quad * 4 * kBlock + half * 32;
+        const __m256i pa = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr)));
+        const __m256i pb = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64)));
+        const __m256i ps0 = _mm256_permutevar8x32_epi32(xs0[r], idx);
+        if constexpr (Traits<F>::split) {
+          const __m256i ps1 = _mm256_permutevar8x32_epi32(xs1[r], idx);
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_madd_epi16(pa, ps0), _mm256_madd_epi16(pb, ps1)));
+        } else {
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_add_epi16(pa, pb), ps0));
+        }
+      }
+    };
+    pair(std::integral_constant<int, 0>{});
+    pair(std::integral_constant<int, 1>{});
+    pair(std::integral_constant<int, 2>{});
+    pair(std::integral_constant<int, 3>{});
+    const float dw = _cvtsh_ss(w.d[n * nsb + sb]);
+    const float dm = Traits<F>::has_min ? _cvtsh_ss(w.m[n * nsb + sb]) : 0.0f;
+    for (int r = 0; r < R; ++r) {
+      const float dx = xd[r][sb];
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(dw * dx), acc[r]);
+      if constexpr (Traits<F>::has_min)  // - dmin * x's d_fine * sum of scaled min * (x's block sums of codes)
+        acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(xs1[r], bs[r])), _mm256_set1_ps(dm * dx),
+                                  acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float v = hsum8(acc[r]);
+    y[(i0 + r) * w.N + n] = bias ? v + bias[n] : v;
+  }
+}
+
 template <Fmt F, int NR, bool I8 = false>
 static void rows(int r, const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* dn, const float* mn,
                  int64_t ld, const float* bias, float* y) {
@@ -345,6 +446,19 @@ static void rows(int r, const XQ& x, const QWeight& w, int64_t n, int64_t i0, co
 
 template <Fmt F, bool I8 = false>
 static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
+  if constexpr (I8 && Traits<F>::kquant && !Traits<F>::lut) {  // x per super-block (x.bsum): micro_i8k
+    for (int64_t n = n0; n < n1; ++n) {  // one weight row at a time (its registers hold R rows of x's sums)
+      if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, 1);
+      for (int64_t i0 = 0; i0 < x.M; i0 += kR) {
+        switch (std::min<int64_t>(kR, x.M - i0)) {
+          case 1: micro_i8k<F, 1>(x, w, n, i0, bias, y); break;
+          case 2: micro_i8k<F, 2>(x, w, n, i0, bias, y); break;
+          default: micro_i8k<F, 3>(x, w, n, i0, bias, y); break;
+        }
+      }
+    }
+    return;
+  }
   const int64_t ld = (w.KB + 7) / 8 * 8;
   thread_local std::vector<float> buf;
   buf.assign(2 * kNr * ld, 0.0f);

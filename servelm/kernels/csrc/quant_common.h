@@ -243,7 +243,21 @@ struct XQ {
   // lanes, or both halves' where a block has one scale; last 16: the high nibbles', split formats).
   const int8_t* q8 = nullptr;
   const int32_t* corr = nullptr;
+  // The k-quants on AVX2 (Q4_K, Q5_K, Q6_K; `super_x` in quant_ops.cpp): x rounded per super-block of 256 with
+  // power-of-two sub-scales (see kSubShift), the codes in the same quad layout (KBp = KB), s one fp32 d_fine per
+  // super-block ([M][KB / 8], stride ss: block j's scale is d_fine * 2^(kSubShift - e_j)), and sub int16
+  // [M][KB / 8][32]: per super-block, the blocks' sums of codes (k 0..15, k 16..31: words 2j, 2j + 1), then the
+  // multipliers 2^(kSubShift - e_j) (words 16 + 2j and 16 + 2j + 1, equal). spair, xsum and corr are unused.
+  const int16_t* sub = nullptr;
 };
+
+// x for the k-quants on AVX2: one d = amax / 127 per super-block of 256 (llama.cpp's Q8_K), and per block j of
+// 32 a power-of-two sub-scale d * 2^-e_j, e_j the largest e <= kSubShift with the block's amax * 2^e <= amax:
+// each block's codes reach at least 64 (where it is within 2^kSubShift of the super-block's amax), near a
+// scale of its own (one d per 256 had cost 1.3-1.5 points of top-1 agreement with fp32 on a Q4_K_M file of the
+// default model's weights), while a super-block's scaled block sums stay int32: the micro-kernel multiplies each
+// block's integer scale by 2^(kSubShift - e_j) (vpmullw) and sums in int32 (bounds: quant_avx2.cpp micro_i8k).
+constexpr int kSubShift = 6;
 
 // Whether the micro-kernels walk a thread's weight rows one at a time instead of in tiles of 4 rows: then they
 // read them as one sequential stream (the rows are consecutive), which this memory serves better than four

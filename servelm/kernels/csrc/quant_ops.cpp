@@ -27,6 +27,12 @@ inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAv
 inline bool int8_for(int64_t isa, Fmt f) {
   return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f));
 }
+// Whether x is rounded per super-block of 256 (llama.cpp's Q8_K) instead of per block of 32: the k-quants
+// (Q4_K, Q5_K, Q6_K) on AVX2, whose micro-kernel then sums a super-block's scaled blocks in int32 (each block's
+// dot product times its 6-bit or int8 scale, vpmaddwd) and scales once per 256 weights, where one x scale per
+// block had cost a convert, a multiply and an fma per pair of blocks and row of x
+// (servelm.kernels.quant.activation_block says the same).
+inline bool super_x(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_kquant(f) && !fmt_lut(f); }
 
 // Whether `isa` may run on this CPU (best: best_isa()).
 inline bool isa_available(int64_t isa, int64_t best) { return isa >= kScalar && isa <= kAvx2I8 && base_isa(isa) <= best; }
@@ -120,6 +126,18 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
 // One block of 32 for the int8 scheme: d = amax / 127 and codes round(x * 127 / amax) in [-127, 127]
 // (llama.cpp's Q8_0 rounding of activations, d kept in fp32); *sum = d * the sum of the codes (nan where x has
 // inf or nan: then the scale is nan too). The decode kernel and the panel GEMM both round x here.
+// One block's codes round(x * inv) (nearest even) in [-127, 127]; returns their sum.
+inline int32_t round_block_i8(const float* xb, float inv, int8_t code[kBlock]) {
+  float v[kBlock];
+  for (int k = 0; k < kBlock; ++k) v[k] = (xb[k] * inv + 12582912.0f) - 12582912.0f;  // nearest even
+  int32_t isum = 0;
+  for (int k = 0; k < kBlock; ++k) {
+    code[k] = static_cast<int8_t>(std::clamp(v[k], -127.0f, 127.0f));
+    isum += code[k];
+  }
+  return isum;
+}
+
 inline void quant_block_i8(const float* xb, int8_t code[kBlock], float* scale, float* sum) {
   float amax;
   *scale = 0.0f;
@@ -128,14 +146,7 @@ inline void quant_block_i8(const float* xb, int8_t code[kBlock], float* scale, f
     *scale = std::numeric_limits<float>::quiet_NaN();
   } else if (amax > 0.0f) {
     *scale = amax / 127.0f;
-    const float inv = 127.0f / amax;
-    float v[kBlock];
-    for (int k = 0; k < kBlock; ++k) v[k] = (xb[k] * inv + 12582912.0f) - 12582912.0f;  // nearest even
-    int32_t isum = 0;
-    for (int k = 0; k < kBlock; ++k) {
-      code[k] = static_cast<int8_t>(std::clamp(v[k], -127.0f, 127.0f));
-      isum += code[k];
-    }
+    const int32_t isum = round_block_i8(xb, 127.0f / amax, code);
     // The minimum term m * sum(x) takes the sum of the rounded x (llama.cpp's q8_1 `s`), not of x: then a
     // row's error is sum((d * q + m) * e), that of the weight itself. The exact sum left sum(d * q * e),
     // with q in 0..15 not centred: an error as large as |w - m| (top-1 agreement 93.3% -> 97.5% on the
@@ -143,6 +154,63 @@ inline void quant_block_i8(const float* xb, int8_t code[kBlock], float* scale, f
     *sum = *scale * static_cast<float>(isum);
   } else {
     *sum = 0.0f;
+  }
+}
+
+// One super-block of 256 (8 blocks; super_x): d = amax / 127 over the 256 values, e[j] the block's sub-scale
+// exponent (see kSubShift) and its codes round(x * 2^e[j] * 127 / amax) as quant_block_i8's; `sums` the blocks'
+// sums of codes. Returns d (nan where the super-block has inf or nan: every output it touches is nan; 0 where it
+// is all zeros, codes 0).
+inline float quant_super_i8(const float* xs, int8_t code[kSuper * kBlock], int32_t sums[kSuper], int e[kSuper]) {
+  float amax = 0.0f, a[kSuper];
+  bool bad = false;
+  for (int j = 0; j < kSuper; ++j) {
+    float sum;
+    block_stats(xs + j * kBlock, &a[j], &sum);
+    bad = bad || !std::isfinite(a[j]) || std::isnan(sum);
+    amax = std::max(amax, a[j]);
+  }
+  std::memset(code, 0, kSuper * kBlock);
+  std::fill(sums, sums + kSuper, 0);
+  std::fill(e, e + kSuper, kSubShift);
+  if (bad) return std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0.0f) return 0.0f;
+  const float inv = 127.0f / amax;
+  for (int j = 0; j < kSuper; ++j) {
+    int ej = 0;
+    while (ej < kSubShift && std::ldexp(a[j], ej + 1) <= amax) ++ej;
+    e[j] = ej;
+    sums[j] = round_block_i8(xs + j * kBlock, std::ldexp(inv, ej), code + j * kBlock);
+  }
+  return amax / 127.0f;
+}
+
+// Block b's 32 codes into the quad layout (see XQ): [4t .. 4t+3's k 0..15] then [4t .. 4t+3's k 16..31].
+inline void put_quad(int8_t* q, int64_t b, const int8_t code[kBlock]) {
+  int8_t* pq = q + b / 4 * 4 * kBlock + b % 4 * 16;
+  std::memcpy(pq, code, 16);
+  std::memcpy(pq + 64, code + 16, 16);
+}
+
+// One row of x for the k-quants on AVX2 (super_x; KB whole super-blocks): quant_super_i8 per super-block, the
+// codes in the quad layout, d_fine = d * 2^-kSubShift per super-block in s, and `sub` (see XQ): each block's sums
+// of codes k 0..15 and k 16..31 (|sum| <= 16 * 127) and its multiplier 2^(kSubShift - e_j), as int16.
+void prep_row_i8k(const float* x, int64_t KB, int8_t* q, float* s, int16_t* sub) {
+  for (int64_t sb = 0; sb < KB / kSuper; ++sb) {
+    int8_t code[kSuper * kBlock];
+    int32_t sums[kSuper];
+    int e[kSuper];
+    s[sb] = std::ldexp(quant_super_i8(x + sb * kSuper * kBlock, code, sums, e), -kSubShift);
+    int16_t* w = sub + sb * 32;
+    for (int j = 0; j < kSuper; ++j) {
+      const int8_t* c = code + j * kBlock;
+      put_quad(q, sb * kSuper + j, c);
+      int32_t lo = 0;
+      for (int k = 0; k < 16; ++k) lo += c[k];
+      w[2 * j] = static_cast<int16_t>(lo);
+      w[2 * j + 1] = static_cast<int16_t>(sums[j] - lo);
+      w[16 + 2 * j] = w[16 + 2 * j + 1] = static_cast<int16_t>(1 << (kSubShift - e[j]));
+    }
   }
 }
 
@@ -157,11 +225,9 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
     if (b < KB) quant_block_i8(x + b * kBlock, code, &scale, &sum);
     s[b] = scale;
     if (xsum) xsum[b] = sum;
-    // quad layout: [4t .. 4t+3's k 0..15] then [4t .. 4t+3's k 16..31]; lane l of the quad is block 4t + l / 4
+    // lane l of the quad is block 4t + l / 4
     const int64_t t = b / 4, e = b % 4;
-    int8_t* pq = q + t * 4 * kBlock + e * 16;
-    std::memcpy(pq, code, 16);
-    std::memcpy(pq + 64, code + 16, 16);
+    put_quad(q, b, code);
     for (int l = 0; l < 4; ++l) slane[t * 16 + e * 4 + l] = scale;
     if (corr)
       for (int l = 0; l < 4; ++l) {
@@ -182,18 +248,30 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
   }
 }
 
-// One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8, by groups of gb
-// blocks (16 on AVX-512, 8 on AVX2) with lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales |
-// block sums), `corr` [2 * G * gb].
-void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, int8_t* q,
-                    float* s, int32_t* corr) {
+// One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8 (`super`: as
+// prep_row_i8k, each block's scale its super-block's d), by groups of gb blocks (16 on AVX-512, 8 on AVX2) with
+// lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales | block sums), `corr` [2 * G * gb].
+void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, bool super,
+                    int8_t* q, float* s, int32_t* corr) {
   const int64_t kbg = G * gb;
   std::memset(q, 0, G * gb * kBlock);
   std::fill(s, s + 2 * kbg, 0.0f);
   std::fill(corr, corr + 2 * kbg, 0);
+  int8_t sup[kSuper * kBlock];
+  int32_t sums[kSuper];
+  int e[kSuper];
+  float d = 0.0f;
   for (int64_t b = 0; b < KB; ++b) {
-    int8_t code[kBlock] = {0};
-    quant_block_i8(x + b * kBlock, code, &s[b], &s[kbg + b]);
+    int8_t block[kBlock] = {0};
+    const int8_t* code = block;
+    if (super) {  // the block's scale d * 2^-e (exact)
+      if (b % kSuper == 0) d = quant_super_i8(x + b * kBlock, sup, sums, e);
+      code = sup + b % kSuper * kBlock;
+      s[b] = std::ldexp(d, -e[b % kSuper]);
+      s[kbg + b] = s[b] * static_cast<float>(sums[b % kSuper]);
+    } else {
+      quant_block_i8(x + b * kBlock, block, &s[b], &s[kbg + b]);
+    }
     int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
     int32_t lo = 0, hi = 0;
     for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
@@ -269,6 +347,28 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const GemmFn fn = gemm_for(isa);
   const bool wide = base_isa(isa) >= kAvx512, has_m = fmt_has_min(w.fmt);
 #if defined(__x86_64__) || defined(_M_X64)
+  if (super_x(isa, w.fmt)) {  // the k-quants on AVX2: x rounded per super-block (see super_x)
+    const int64_t ss = KB / kSuper;
+    at::Tensor xq = at::empty({M, KB * kBlock}, x.options().dtype(at::kChar));
+    at::Tensor xs = at::empty({M, ss}, x.options());
+    at::Tensor xb = at::empty({M, KB * 4}, x.options().dtype(at::kShort));
+    const float* xp = x.data_ptr<float>();
+    int8_t* qp = xq.data_ptr<int8_t>();
+    float* sp = xs.data_ptr<float>();
+    int16_t* bp16 = xb.data_ptr<int16_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i) prep_row_i8k(xp + i * kp, KB, qp + i * KB * kBlock, sp + i * ss, bp16 + i * KB * 4);
+    });
+    XQ xv{nullptr, sp, nullptr, nullptr, M, KB, ss};
+    xv.q8 = qp;
+    xv.sub = bp16;
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t kRows = 16;
+    at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
+      gemm_avx2_i8(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
+    });
+    return y;
+  }
   if (int8_for(isa, w.fmt)) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
     const int64_t KBq = (KB + 3) / 4 * 4, quads = KBq / 4;
     const int off = fmt_offset(w.fmt);
@@ -362,10 +462,11 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     float* sp = xs.data_ptr<float>();
     int32_t* cp = xc.data_ptr<int32_t>();
     const int off = fmt_offset(w.fmt);
-    const bool split = fmt_split(w.fmt);
+    const bool split = fmt_split(w.fmt), sup = super_x(isa, w.fmt);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t i = m0; i < m1; ++i)
-        prep_row_panel(xp + i * kp, w.KB, G, gb, off, split, qp + i * G * gb * kBlock, sp + i * ss, cp + i * ss);
+        prep_row_panel(xp + i * kp, w.KB, G, gb, off, split, sup, qp + i * G * gb * kBlock, sp + i * ss,
+                       cp + i * ss);
     });
     const XP xv{qp, sp, cp, M, G, ss};
     float* yp = y.data_ptr<float>();
