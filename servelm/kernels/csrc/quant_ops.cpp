@@ -176,11 +176,11 @@ inline float quant_super_i8(const float* xs, int8_t code[kSuper * kBlock], int32
   if (bad) return std::numeric_limits<float>::quiet_NaN();
   if (amax == 0.0f) return 0.0f;
   const float inv = 127.0f / amax;
-  for (int j = 0; j < kSuper; ++j) {
+  for (int j = 0; j < kSuper; ++j) {  // products by powers of two: exact (amax is finite)
     int ej = 0;
-    while (ej < kSubShift && std::ldexp(a[j], ej + 1) <= amax) ++ej;
+    while (ej < kSubShift && a[j] * static_cast<float>(2 << ej) <= amax) ++ej;
     e[j] = ej;
-    sums[j] = round_block_i8(xs + j * kBlock, std::ldexp(inv, ej), code + j * kBlock);
+    sums[j] = round_block_i8(xs + j * kBlock, inv * static_cast<float>(1 << ej), code + j * kBlock);
   }
   return amax / 127.0f;
 }
@@ -200,7 +200,7 @@ void prep_row_i8k(const float* x, int64_t KB, int8_t* q, float* s, int16_t* sub)
     int8_t code[kSuper * kBlock];
     int32_t sums[kSuper];
     int e[kSuper];
-    s[sb] = std::ldexp(quant_super_i8(x + sb * kSuper * kBlock, code, sums, e), -kSubShift);
+    s[sb] = quant_super_i8(x + sb * kSuper * kBlock, code, sums, e) * (1.0f / (1 << kSubShift));
     int16_t* w = sub + sb * 32;
     for (int j = 0; j < kSuper; ++j) {
       const int8_t* c = code + j * kBlock;
@@ -267,7 +267,7 @@ void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offse
     if (super) {  // the block's scale d * 2^-e (exact)
       if (b % kSuper == 0) d = quant_super_i8(x + b * kBlock, sup, sums, e);
       code = sup + b % kSuper * kBlock;
-      s[b] = std::ldexp(d, -e[b % kSuper]);
+      s[b] = d / static_cast<float>(1 << e[b % kSuper]);
       s[kbg + b] = s[b] * static_cast<float>(sums[b % kSuper]);
     } else {
       quant_block_i8(x + b * kBlock, block, &s[b], &s[kbg + b]);
