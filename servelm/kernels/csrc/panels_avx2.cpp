@@ -93,16 +93,21 @@ inline void micro(const uint8_t* wc, const float* s0, const float* s1, int64_t G
         for (int j = 0; j < kNr; ++j) ia[j][r] = c;
       }
       const int i0s = split ? 4 * h : 0, i1s = split ? 4 * h + 4 : 8;
-      for (int i = i0s; i < i1s; i += 2) {  // two slices summed in int16, then widened
+      // Slices' pair sums added in int16, then widened by one vpmaddwd: four slices where the codes are below
+      // 32 (4 x 2 x 31 x 127 < 2^15), two for Q6_K's (2 x 2 x 63 x 127): the multiplier ports, this kernel's
+      // limit, then take 2.5 instructions per 64 products instead of 3.
+      constexpr int kStep = Traits<F>::planes <= 1 ? 4 : 2;
+      for (int i = i0s; i < i1s; i += kStep) {
         for (int j = 0; j < kNr; ++j) {
           const uint8_t* wp = wc + j * wstride + g * kGroupBytes + i * kSlice;
-          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
-          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kSlice));
+          __m256i wv[kStep];
+          for (int t = 0; t < kStep; ++t) wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + t * kSlice));
           for (int r = 0; r < R; ++r) {
             const int8_t* xp = x.q + (i0 + r) * wstride + g * kGroupBytes + i * kSlice;
-            const __m256i p = _mm256_add_epi16(
-                _mm256_maddubs_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp))),
-                _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kSlice))));
+            __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+            for (int t = 1; t < kStep; ++t)
+              p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[t], _mm256_loadu_si256(
+                                                                      reinterpret_cast<const __m256i*>(xp + t * kSlice))));
             ia[j][r] = _mm256_add_epi32(ia[j][r], _mm256_madd_epi16(p, ones));
           }
         }
