@@ -146,16 +146,46 @@ def test_tp2_on_default_model_fails_at_startup_naming_the_heads() -> None:
     assert time.monotonic() - t0 < 60
 
 
-def test_tp3_on_default_model_gives_tp1_text() -> None:
-    prompt = "What is the capital of France?"  # Q4_1 kept: "L'Étoile, la Marseillaise, ...", as llama.cpp
-    texts = []
-    for tp in (1, 3):
-        proc = subprocess.run([sys.executable, "-m", "servelm", "generate", "--prompt", prompt, "--max-new-tokens",
-                               "12", "--tp", str(tp), "--max-total-tokens", "2048"],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        texts.append(proc.stdout)
-    assert texts[0] == texts[1] and texts[0].strip()
+# TP=1 and TP=3 part by up to ~0.15 nats on the default model (int8 activations: a code that rounds the other
+# way after another fp32 order moves a whole step; measured on a Zen 3 EPYC, AVX2), far below a broken shard's.
+TP_LOGPROB_TOL = 0.25
+
+
+def test_tp3_on_default_model_follows_tp1() -> None:
+    """TP=3 on the default model (Q4_1 kept; 9 heads, 3 KV heads) computes TP=1's model: the row-parallel
+    projections' shards are summed in another fp32 order, so the two can part at a near tie (on a Zen 3 EPYC,
+    AVX2, "What is the capital of France?" gave "The capital of France is Paris." on one rank and "L'Etoile, la
+    Marseillaise," on three, from a first token 0.0067 nats ahead of the second: the same greedy text is not a
+    promise the arithmetic can keep). So TP=3 scores TP=1's greedy continuation teacher-forced: every logprob
+    within TP_LOGPROB_TOL of TP=1's, and its argmax TP=1's token wherever TP=1's top two are further apart than
+    twice that."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    engine = Engine(max_total_tokens=2048)
+    try:
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False)
+        one = engine.generate(input_ids=[ids], sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                                "ignore_eos": True, "logprobs": True,
+                                                                "top_logprobs": 2})[0]
+    finally:
+        engine.shutdown()
+    engine = Engine(max_total_tokens=2048, tp_size=3)
+    try:
+        three = engine.generate(input_ids=[ids + one["output_ids"]],
+                                sampling_params={"max_new_tokens": 1, "temperature": 0, "prompt_logprobs": True,
+                                                 "prompt_top_logprobs": 1})[0]
+    finally:
+        engine.shutdown()
+    assert one["text"].strip() and len(one["output_ids"]) == 12
+    rows = []  # (position, TP=1's top-two gap, TP=3's logprob - TP=1's, TP=3's argmax is TP=1's token)
+    for i, token in enumerate(one["output_ids"]):
+        at = len(ids) + i
+        (top, top_lp), (_, second_lp) = one["top_logprobs"][i][:2]
+        assert top == token
+        rows.append((i, round(top_lp - second_lp, 4), round(three["prompt_logprobs"][at] - one["logprobs"][i], 4),
+                     three["prompt_top_logprobs"][at][0][0] == token))
+    assert all(abs(d) < TP_LOGPROB_TOL for _, _, d, _ in rows), rows
+    assert all(same for _, gap, _, same in rows if gap > 2 * TP_LOGPROB_TOL), rows
 
 
 @pytest.mark.parametrize(("kv", "tol"), [("bfloat16", 1e-3), ("int8", 5e-3)])
