@@ -139,9 +139,9 @@ def _check_identity(qw: quant.QuantWeight, k: int) -> None:
         scaled = quant.dequantize(_without_min(qw))[:, : qw.shape[1]]
         terms = (scaled.abs() + (quant.dequantize(qw) - scaled).abs()).T
     elif quant.activation_block(qw.fmt) > quant.BLOCK and qw.qh is not None:
-        # Q6_K with x per super-block: its offset (-32 * scale * x's codes) is summed over the super-block apart
-        # from the unsigned codes' products, in int32 lanes converted one by one: |scale * (code + 32)| +
-        # |scale * 32| (the value of code 0 is -32 * scale)
+        # Q6_K with x per super-block: its offset (-32 * scale * x's codes; block j's in int32 lane j) and the
+        # unsigned codes' products (a pair's blocks in lanes 0-3 and 4-7) share lanes but not per block, and the
+        # lanes are converted one by one: |scale * (code + 32)| + |scale * 32| (code 0's value is -32 * scale)
         base = quant.dequantize(quant.QuantWeight(qw.fmt, qw.shape, torch.zeros_like(qw.qs), qw.d, qw.m,
                                                   torch.zeros_like(qw.qh), qw.qh2, qw.sc)).T
         terms = (want - base).abs() + base.abs()

@@ -446,7 +446,7 @@ static void rows(int r, const XQ& x, const QWeight& w, int64_t n, int64_t i0, co
 
 template <Fmt F, bool I8 = false>
 static void gemm(const XQ& x, const QWeight& w, const float* bias, float* y, int64_t n0, int64_t n1) {
-  if constexpr (I8 && Traits<F>::kquant && !Traits<F>::lut) {  // x per super-block (x.bsum): micro_i8k
+  if constexpr (I8 && Traits<F>::kquant && !Traits<F>::lut) {  // x per super-block (x.sub): micro_i8k
     for (int64_t n = n0; n < n1; ++n) {  // one weight row at a time (its registers hold R rows of x's sums)
       if (n + kAhead < w.N) prefetch_fields<F>(w, n + kAhead, 1);
       for (int64_t i0 = 0; i0 < x.M; i0 += kR) {

@@ -27,12 +27,21 @@ inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAv
 inline bool int8_for(int64_t isa, Fmt f) {
   return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f));
 }
-// Whether x is rounded per super-block of 256 (llama.cpp's Q8_K) instead of per block of 32: the k-quants
+// Whether x is rounded per super-block of 256 (llama.cpp's Q8_K, with power-of-two sub-scales per block: see
+// kSubShift) instead of per block of 32: the k-quants
 // (Q4_K, Q5_K, Q6_K) on AVX2, whose micro-kernel then sums a super-block's scaled blocks in int32 (each block's
 // dot product times its 6-bit or int8 scale, vpmaddwd) and scales once per 256 weights, where one x scale per
 // block had cost a convert, a multiply and an fma per pair of blocks and row of x
 // (servelm.kernels.quant.activation_block says the same).
 inline bool super_x(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_kquant(f) && !fmt_lut(f); }
+
+// fn(n0, n1) over the weight rows [0, N) in units of 16 rows, split among the threads (the micro-kernels' work).
+template <typename Fn>
+void over_weight_rows(int64_t N, const Fn& fn) {
+  constexpr int64_t kRows = 16;
+  at::parallel_for(0, (N + kRows - 1) / kRows, 1,
+                   [&](int64_t t0, int64_t t1) { fn(t0 * kRows, std::min(N, t1 * kRows)); });
+}
 
 // Whether `isa` may run on this CPU (best: best_isa()).
 inline bool isa_available(int64_t isa, int64_t best) { return isa >= kScalar && isa <= kAvx2I8 && base_isa(isa) <= best; }
@@ -123,9 +132,6 @@ void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q
   }
 }
 
-// One block of 32 for the int8 scheme: d = amax / 127 and codes round(x * 127 / amax) in [-127, 127]
-// (llama.cpp's Q8_0 rounding of activations, d kept in fp32); *sum = d * the sum of the codes (nan where x has
-// inf or nan: then the scale is nan too). The decode kernel and the panel GEMM both round x here.
 // One block's codes round(x * inv) (nearest even) in [-127, 127]; returns their sum.
 inline int32_t round_block_i8(const float* xb, float inv, int8_t code[kBlock]) {
   float v[kBlock];
@@ -138,6 +144,9 @@ inline int32_t round_block_i8(const float* xb, float inv, int8_t code[kBlock]) {
   return isum;
 }
 
+// One block of 32 for the int8 scheme: d = amax / 127 and codes round(x * 127 / amax) in [-127, 127]
+// (llama.cpp's Q8_0 rounding of activations, d kept in fp32); *sum = d * the sum of the codes (nan where x has
+// inf or nan: then the scale is nan too). The decode kernel and the panel GEMM both round x here.
 inline void quant_block_i8(const float* xb, int8_t code[kBlock], float* scale, float* sum) {
   float amax;
   *scale = 0.0f;
@@ -249,7 +258,7 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
 }
 
 // One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8 (`super`: as
-// prep_row_i8k, each block's scale its super-block's d), by groups of gb blocks (16 on AVX-512, 8 on AVX2) with
+// prep_row_i8k, each block's scale its super-block's d * 2^-e), by groups of gb blocks (16 on AVX-512, 8 on AVX2) with
 // lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales | block sums), `corr` [2 * G * gb].
 void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, bool super,
                     int8_t* q, float* s, int32_t* corr) {
@@ -363,10 +372,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     xv.q8 = qp;
     xv.sub = bp16;
     float* yp = y.data_ptr<float>();
-    constexpr int64_t kRows = 16;
-    at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
-      gemm_avx2_i8(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
-    });
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) { gemm_avx2_i8(xv, w, bp, yp, n0, n1); });
     return y;
   }
   if (int8_for(isa, w.fmt)) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
@@ -394,10 +400,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     xv.q8 = qp;
     xv.corr = cp;
     float* yp = y.data_ptr<float>();
-    constexpr int64_t kRows = 16;
-    at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
-      (isa == kAvx2I8 ? gemm_avx2_i8 : gemm_avx512_vnni_i8)(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
-    });
+    const GemmFn gi8 = isa == kAvx2I8 ? gemm_avx2_i8 : gemm_avx512_vnni_i8;
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) { gi8(xv, w, bp, yp, n0, n1); });
     return y;
   }
 #endif
@@ -419,10 +423,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const XQ xv{qp, sp, has_m ? sp + KBp : nullptr, layout == kPairs ? sp + KBp * (has_m ? 2 : 1) : nullptr, M, KBp,
               sstride};
   float* yp = y.data_ptr<float>();
-  constexpr int64_t kRows = 16;  // weight rows per unit of work
-  at::parallel_for(0, (N + kRows - 1) / kRows, 1, [&](int64_t t0, int64_t t1) {
-    fn(xv, w, bp, yp, t0 * kRows, std::min(N, t1 * kRows));
-  });
+  over_weight_rows(N, [&](int64_t n0, int64_t n1) { fn(xv, w, bp, yp, n0, n1); });
   return y;
 }
 
