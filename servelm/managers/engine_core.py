@@ -68,7 +68,19 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
         tokens = min(runner.num_pages * server_args.page_size,
                      spec.max_batch * (runner.max_context_len + spec.num_draft_tokens))
         scheduler.spec.draft_model = DraftModel(server_args, str(spec.draft_model_path), runner.vocab_size, tokens)
+    freeze_startup_heap()
     return scheduler
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, the tokenizer, the model's modules: ~815,000
+    on the default model) out of the cyclic garbage collector's reach, as vLLM does (`gc.freeze`). A full
+    collection had walked all of them: 320 ms on a 2-core EPYC, one stalled step each time the requests'
+    short-lived objects set one off (perf saw gc_collect_main in 7% of a decode run's samples)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _is_encoder(model_path: str) -> bool:
@@ -94,7 +106,9 @@ def build_embedding_scheduler(server_args: ServerArgs) -> Any:
     runner = EmbeddingRunner(server_args, server_args.model_path)
     # The token budget of a step: at least a whole longest input; more inputs share the forward.
     budget = max(server_args.chunked_prefill_size * 4, runner.max_context_len)
-    return EmbeddingScheduler(runner, budget, runner.max_context_len, runner.config.vocab_size)
+    scheduler = EmbeddingScheduler(runner, budget, runner.max_context_len, runner.config.vocab_size)
+    freeze_startup_heap()
+    return scheduler
 
 
 def _shutdown(runner: Any, workers: Any) -> None:

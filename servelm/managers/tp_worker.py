@@ -76,6 +76,9 @@ def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None
 
     try:
         runner = ModelRunner(server_args, tp_rank=tp_rank)
+        from servelm.managers.engine_core import freeze_startup_heap
+
+        freeze_startup_heap()
         runner.follow()
         destroy_distributed()  # pairs with rank 0's ModelRunner.shutdown()
     except Exception as exc:
