@@ -7,6 +7,7 @@ q/k/v and gate/up are fused; `load_weights` maps the HF names onto them.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -168,9 +169,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(fb.input_ids)
-        statics = self._fused_stack(fb, hidden) if fb.is_decode and fb.kv_cache is not None else None
-        if statics is not None:  # every layer's step one C++ call, as each layer would make it
-            hidden, residual = fused.decode_stack(statics, fb.positions, hidden, fb)
+        stack = self._fused_stack(fb, hidden) if fb.is_decode and fb.kv_cache is not None else None
+        if stack is not None:  # every layer's step from one C++ call, as each layer would make it
+            hidden, residual = fused.decode_stack(stack, fb.positions, hidden, fb)
         else:
             residual = None
             for layer in self.layers:
@@ -178,15 +179,16 @@ class LlamaModel(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def _fused_stack(self, fb: ForwardBatch, hidden: torch.Tensor) -> list | None:
-        """`fused.decode_layer_static` of every layer when each layer's decode step would be its one fused call
-        (`LlamaDecoderLayer.forward`'s checks, made once per KV cache and kernel choices), else None."""
+    def _fused_stack(self, fb: ForwardBatch, hidden: torch.Tensor) -> Any:
+        """A `fused.decode_stack_of` every layer's `fused.decode_layer_static` when each layer's decode step would
+        be its one fused call (`LlamaDecoderLayer.forward`'s checks, made once per KV cache and kernel choices),
+        else None."""
         kernels = [kernels_of(layer) for layer in self.layers]
         key = (fb.kv_cache, kernels)
         cached = self.__dict__.get("_fused_stack_cache")
         if cached is not None and cached[0][0] is key[0] and cached[0][1] == kernels:
-            statics = cached[1]
-            return statics if statics is not None and fused.available(hidden, kernels=kernels[0]) else None
+            stack = cached[1]
+            return stack if stack is not None and fused.available(hidden, kernels=kernels[0]) else None
         statics = []
         for layer, k in zip(self.layers, kernels, strict=True):
             kv = fb.kv_cache.layer(layer.self_attn.attn.layer_id)
@@ -195,8 +197,9 @@ class LlamaModel(nn.Module):
                 statics = None
                 break
             statics.append(fused.decode_layer_static(layer, args, kv, k.quant))
-        self.__dict__["_fused_stack_cache"] = (key, statics)
-        return statics
+        stack = fused.decode_stack_of(statics) if statics is not None else None
+        self.__dict__["_fused_stack_cache"] = (key, stack)
+        return stack
 
 
 class LlamaForCausalLM(nn.Module):
