@@ -445,14 +445,16 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   for (int64_t b = 0; b < B; ++b) chunks[b] = (lp[b] + kAttnChunk - 1) / kAttnChunk;
   for (int64_t i = 0; i < items; ++i) item_first[i + 1] = item_first[i] + chunks[i / Hkv];
   // A unit takes all of a chunk's kv heads (their values are contiguous per token), unless that leaves fewer
-  // than two units a thread: then half as many, and so on. The bits are the same either way.
+  // than two units a thread: then the next smaller divisor of Hkv, and so on down to one head (an odd Hkv had
+  // stopped at all heads: the default model's 3 kv heads at 200-300 keys were 2-3 units of unequal size for
+  // two threads). The bits are the same either way.
   int64_t per = Hkv, total = 0;
   const int64_t want = 2 * at::get_num_threads();
   for (;;) {
     total = 0;
     for (int64_t b = 0; b < B; ++b) total += chunks[b] * (Hkv / per);
-    if (total >= want || per % 2 != 0) break;
-    per /= 2;
+    if (total >= want || per == 1) break;
+    do --per; while (Hkv % per != 0);
   }
   std::vector<int64_t> req_first(B + 1, 0), unit_req(total);
   for (int64_t b = 0; b < B; ++b) {
