@@ -17,7 +17,7 @@ from servelm.managers.scheduler import Scheduler, SchedulerConfig
 def build_scheduler(server_args: ServerArgs) -> Scheduler:
     """The scheduler of rank 0, with its model runner and (under TP) this node's other ranks running."""
     from servelm.managers.tp_worker import start_local_workers, with_dist_init_addr
-    from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility
+    from servelm.model_executor.model_runner import ModelRunner, check_tp_divisibility, freeze_startup_heap
     from servelm.model_loader.default_model import model_path_or_default
     from servelm.model_loader.source import load_model_source
 
@@ -72,17 +72,6 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
     return scheduler
 
 
-def freeze_startup_heap() -> None:
-    """Move every object alive after start-up (torch, transformers, the tokenizer, the model's modules: ~815,000
-    on the default model) out of the cyclic garbage collector's reach, as vLLM does (`gc.freeze`). A full
-    collection had walked all of them: 320 ms on a 2-core EPYC, one stalled step each time the requests'
-    short-lived objects set one off (perf saw gc_collect_main in 7% of a decode run's samples)."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
-
-
 def _is_encoder(model_path: str) -> bool:
     import os
 
@@ -102,6 +91,7 @@ def build_embedding_scheduler(server_args: ServerArgs) -> Any:
     """An embedding server's scheduler over its encoder (no KV pool, no TP ranks)."""
     from servelm.managers.embedding_scheduler import EmbeddingScheduler
     from servelm.model_executor.embedding_runner import EmbeddingRunner
+    from servelm.model_executor.model_runner import freeze_startup_heap
 
     runner = EmbeddingRunner(server_args, server_args.model_path)
     # The token budget of a step: at least a whole longest input; more inputs share the forward.

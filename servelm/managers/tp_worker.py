@@ -66,7 +66,7 @@ def with_dist_init_addr(server_args: ServerArgs) -> ServerArgs:
 
 def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None:
     from servelm.managers.parent_watch import die_with_parent
-    from servelm.model_executor.model_runner import ModelRunner
+    from servelm.model_executor.model_runner import ModelRunner, freeze_startup_heap
 
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is handled by the parent
@@ -76,8 +76,6 @@ def _worker_main(server_args: ServerArgs, tp_rank: int, parent_pid: int) -> None
 
     try:
         runner = ModelRunner(server_args, tp_rank=tp_rank)
-        from servelm.managers.engine_core import freeze_startup_heap
-
         freeze_startup_heap()
         runner.follow()
         destroy_distributed()  # pairs with rank 0's ModelRunner.shutdown()

@@ -378,3 +378,14 @@ def _quant_weights(module: Any) -> list[Any]:
     parts = getattr(module, "qweight_parts", None) or []
     return [qw for qw in (getattr(module, "qweight", None), *parts, getattr(module, "lookup_qweight", None))
             if qw is not None]
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive after start-up (torch, transformers, the tokenizer, the model's modules: ~815,000
+    on the default model) out of the cyclic garbage collector's reach, as vLLM does (`gc.freeze`). A full
+    collection had walked all of them: 320 ms on a 2-core EPYC, one stalled step each time the requests'
+    short-lived objects set one off (perf saw gc_collect_main in 7% of a decode run's samples)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
