@@ -180,9 +180,9 @@ class LlamaModel(nn.Module):
         return hidden
 
     def _fused_stack(self, fb: ForwardBatch, hidden: torch.Tensor) -> Any:
-        """A `fused.decode_stack_of` every layer's `fused.decode_layer_static` when each layer's decode step would
-        be its one fused call (`LlamaDecoderLayer.forward`'s checks, made once per KV cache and kernel choices),
-        else None."""
+        """A `DecodeStack` (`fused.decode_stack_of`) of every layer's `fused.decode_layer_static` when each layer's
+        decode step would be its one fused call (`LlamaDecoderLayer.forward`'s checks, made once per KV cache and
+        kernel choices), else None."""
         kernels = [kernels_of(layer) for layer in self.layers]
         key = (fb.kv_cache, kernels)
         cached = self.__dict__.get("_fused_stack_cache")

@@ -630,8 +630,6 @@ struct DecodeStack : torch::CustomClassHolder {
                            std::move(v_scale), num_heads, isa});
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers.size()); }
-
   std::tuple<at::Tensor, at::Tensor> run(at::Tensor hidden, at::Tensor positions, at::Tensor out_cache_loc,
                                          at::Tensor kv_index, at::Tensor lens) const {
     TORCH_CHECK(!layers.empty(), "servelm_fused: DecodeStack has no layers");
@@ -654,7 +652,6 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.class_<servelm_fused::DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &servelm_fused::DecodeStack::add_layer)
-      .def("size", &servelm_fused::DecodeStack::size)
       .def("run", &servelm_fused::DecodeStack::run);
   lib.def("best_isa() -> int", &servelm_fused::best_isa);
   lib.def("set_isa(int isa) -> int", &servelm_fused::set_isa);
