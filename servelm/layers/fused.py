@@ -200,12 +200,8 @@ def decode_stack_of(statics: list[tuple[tuple, tuple, tuple]]) -> Any:
     """A C++ `DecodeStack` holding every layer's `decode_layer_static` arguments (built once per KV cache and
     kernel choice), so that `decode_stack` runs a step's layers from one call."""
     stack = torch.classes.servelm_fused.DecodeStack()
-    for a, b, c in statics:
-        in_norm, post_norm, eps, weights, fmts, parts, biases = a
-        cos, sin, k, v, k_scale, v_scale = b
-        num_heads, scale, isa, tiles_from = c
-        stack.add_layer(in_norm, post_norm, eps, weights, fmts, parts, biases, cos, sin, k, v, k_scale, v_scale,
-                        num_heads, scale, isa, tiles_from)
+    for a, b, c in statics:  # add_layer takes decode_layer's arguments less the step's (hidden, positions, slots)
+        stack.add_layer(*a, *b, *c)
     return stack
 
 
