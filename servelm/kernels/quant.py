@@ -108,10 +108,13 @@ TILES_MIN_ROWS = 10  # int16 scheme: rows of x from which `linear` takes the fp3
 # INT8_TILES_MIN_ROWS, or for the formats with bits over the nibbles (q5_*, Q5_K, Q6_K: the AVX2 micro-kernel is
 # bound by adding them, 65-118 GFLOP/s against the panel's 97-155 at 12-32 rows; with Q6_K's crumbs the
 # micro-kernel and the panel were even between 12 and 16 rows, Q5_K's at about 16) from PLANES_INT8_TILES_MIN_ROWS
-# (docs/measurements/quant-kernels.md).
+# (docs/measurements/quant-kernels.md). The AVX2 crossovers are an AVX2-only CPU's (a Zen 3 EPYC): there the
+# panel passes the micro-kernel at 10-16 rows for every format (Q4_0, Q4_1, Q4_K at the default model's and
+# the 1B's shapes). An AVX-512 Zen 5 with the AVX2 path forced had put it at 96 for the formats without planes,
+# its AVX2 micro-kernel being twice as fast, but avx2_i8 is the default only where there is no AVX-512.
 PANEL_MIN_ROWS = 64
 Q6K_PANEL_MIN_ROWS = 16
-INT8_TILES_MIN_ROWS = 96
+INT8_TILES_MIN_ROWS = 16
 PLANES_INT8_TILES_MIN_ROWS = 12
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
