@@ -158,6 +158,39 @@ def _llama3_from_freq_factors(factors: np.ndarray, theta: float, head_dim: int) 
     return {"freq_factors": [float(f) for f in factors]}
 
 
+_POOLING_RANK = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
+
+
+def _check_rank_head(reader: GGUFReader, arch: str, path: str) -> None:
+    """llama.cpp writes a decoder reranker (Qwen3-Reranker) with its LM head's `yes` and `no` rows as a 2-row
+    `cls.output` head and, for an untied model (Qwen3-Reranker-4B/8B), without the LM head itself. Loading that
+    as tied to the embeddings would score with the embedding's rows: refuse it. A tied model's file (0.6B)
+    keeps everything servelm scores with (its `cls.output` rows are the embedding's `yes` and `no` rows)."""
+    tensors = {t.name: t for t in reader.tensors}
+    cls_out, embd = tensors["cls.output.weight"], tensors.get("token_embd.weight")
+    labels = list(_scalar(reader, f"{arch}.classifier.output_labels", None) or [])
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = list(tokens.contents()) if tokens is not None else []
+    rows = [vocab.index(label) for label in labels if label in vocab]
+    same = False
+    if embd is not None and len(rows) == len(labels) == int(cls_out.shape[1]):
+        def values(t: Any, sel: Any) -> np.ndarray:
+            data = np.asarray(t.data)[sel]
+            out = data if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16) else \
+                dequantize(data, t.tensor_type)
+            return np.asarray(out, dtype=np.float32).reshape(len(rows), -1)
+
+        head, mine = values(cls_out, slice(None)), values(embd, rows)
+        cos = (head * mine).sum(-1) / (np.linalg.norm(head, axis=-1) * np.linalg.norm(mine, axis=-1) + 1e-30)
+        same = bool((cos >= 0.99).all())
+    if not same:
+        raise ModelSourceError(
+            f"GGUF file {path} is llama.cpp's conversion of a reranker (pooling type rank, a {cls_out.shape[1]}-row "
+            f"cls.output head for labels {labels}) without its LM head; servelm scores such rerankers "
+            "(/v1/rerank, /v1/score) from the LM head's yes/no rows and cannot generate without it: load the "
+            "model's Hugging Face folder, or a GGUF converted from it as a plain causal LM.")
+
+
 def gguf_config(reader: GGUFReader, path: str = "") -> transformers.PretrainedConfig:
     """Build the transformers config (LlamaConfig, Qwen2Config, Qwen3Config) from GGUF metadata."""
     arch = _scalar(reader, "general.architecture")
@@ -172,6 +205,9 @@ def gguf_config(reader: GGUFReader, path: str = "") -> transformers.PretrainedCo
             raise ModelSourceError(f"GGUF file {path} lacks required metadata {arch}.{key}.")
         return value
 
+    if (_scalar(reader, f"{arch}.pooling_type") == _POOLING_RANK and "cls.output.weight" in tensor_names
+            and "output.weight" not in tensor_names):
+        _check_rank_head(reader, arch, path)
     hidden = int(need("embedding_length"))
     n_head = int(need("attention.head_count"))
     n_kv = int(_scalar(reader, f"{arch}.attention.head_count_kv", n_head))
@@ -312,8 +348,10 @@ def load_gguf_source(path: str) -> GGUFModelSource:
     config = gguf_config(reader, path)
     _check_dequantizable(reader, path)
     name_map: list[tuple[str, str]] = []
+    # a reranker's cls.output rows (checked in gguf_config) are the LM head's: scored from the head itself
+    rank = _scalar(reader, f"{_scalar(reader, 'general.architecture')}.pooling_type") == _POOLING_RANK
     for t in reader.tensors:
-        if t.name in _SKIPPED_TENSORS:
+        if t.name in _SKIPPED_TENSORS or (rank and t.name == "cls.output.weight"):
             continue
         hf_name = gguf_to_hf_name(t.name)
         if hf_name is None:

@@ -3,6 +3,7 @@ quantisation and TP tests)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -135,8 +136,11 @@ def write_gguf(
     quantize: str | None = None,
     rope_scaling: tuple[str, float, int] | None = None,
     override_dtype: dict[str, np.dtype] | None = None,
+    skip: tuple[str, ...] = (),
+    extra: Callable[[gguf.GGUFWriter], None] | None = None,
 ) -> None:
-    """Write `model` as llama.cpp's converter would (names, q/k permute for llama, metadata)."""
+    """Write `model` as llama.cpp's converter would (names, q/k permute for llama, metadata). `skip`: gguf
+    tensor names left out; `extra` adds metadata or tensors of its own before the file is written."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), gguf_arch)
     w.add_name("tiny")
@@ -178,6 +182,8 @@ def write_gguf(
         else:
             gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                          "lm_head.weight": "output.weight"}[name]  # fmt: skip
+        if gguf_name in skip:
+            continue
         arr = tensor.float().numpy().copy()
         if gguf_arch == "llama" and ".attn_q." in gguf_name:
             arr = _llama_cpp_permute(arr, cfg.num_attention_heads)
@@ -205,6 +211,8 @@ def write_gguf(
             w.add_tensor(gguf_name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, arr)
+    if extra is not None:
+        extra(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

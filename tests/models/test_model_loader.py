@@ -436,6 +436,31 @@ def test_folder_with_one_gguf_resolves_to_it(tmp_path: Path) -> None:
     assert source.format == "gguf" and source.path == str(tmp_path / "only.gguf")
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_llama_cpp_reranker_gguf_without_its_lm_head_is_refused(tmp_path: Path, tied: bool) -> None:
+    """llama.cpp's converter writes Qwen3-Reranker with its LM head's yes/no rows as a 2-row `cls.output` head
+    (rank pooling), and an untied model without the LM head: that file must not load tied to the embeddings
+    (its scores would come from the embedding's rows). A tied model's file keeps all servelm scores with."""
+    model = _tiny_model("Qwen3ForCausalLM", head_dim=16, tie_word_embeddings=tied)
+    tokens = [f"t{i}" for i in range(model.config.vocab_size)]
+    tokens[7], tokens[9] = "yes", "no"
+    head = (model.model.embed_tokens if tied else model.lm_head).weight.detach()[[7, 9]].float().numpy()
+
+    def rank(w: gguf.GGUFWriter) -> None:
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_token_list(tokens)
+        w.add_tensor("cls.output.weight", head)
+
+    path = tmp_path / "rerank.gguf"
+    write_gguf(path, "qwen3", model, skip=("output.weight",), extra=rank)
+    if tied:
+        assert load_model_source(str(path)).config.tie_word_embeddings is True
+        return
+    with pytest.raises(ModelSourceError, match="reranker .* without its LM head.*Hugging Face folder"):
+        load_model_source(str(path))
+
+
 # --------------------------------------------------------------------------- HF folders
 
 
