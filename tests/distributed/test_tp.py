@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from servelm.entrypoints.engine import Engine
+from servelm.kernels import quant
 from servelm.layers import batch_invariant
 from tests.conftest import build_tiny_model
 from tests.server_fixtures import REPO_ROOT, free_port, start_server
@@ -146,12 +147,17 @@ def test_tp2_on_default_model_fails_at_startup_naming_the_heads() -> None:
     assert time.monotonic() - t0 < 60
 
 
-# TP=1 and TP=3 part by up to ~0.15 nats on the default model (int8 activations: a code that rounds the other
-# way after another fp32 order moves a whole step; measured on a Zen 3 EPYC, AVX2), far below a broken shard's.
-TP_LOGPROB_TOL = 0.25
+# TP=1 and TP=3 on the default model. On the fp32 path (SERVELM_QUANT_KERNEL=torch: the weights dequantized,
+# fp32 activations) only the row-parallel shards' sum order differs: ~1e-3 nats apart. On the int8 kernels each
+# run's activation codes (a scale per 32) round another way wherever an fp32 order moves a value across a code
+# boundary, and the flips add up over 30 layers: on "What is the capital of France?" TP=1 and TP=3 each part from
+# fp32 by up to 0.29 and 0.40 nats at one of 12 positions, and from each other by up to 0.35, 0.06-0.09 on average
+# (measured on a Zen 3 EPYC, AVX2). A broken shard moves every position by nats.
+TP_LOGPROB_TOL = {"torch": (1e-2, 1e-2), "kernels": (1.0, 0.2)}  # (at any position, on average)
 
 
-def test_tp3_on_default_model_follows_tp1() -> None:
+@pytest.mark.parametrize("path", ["torch", "kernels"])
+def test_tp3_on_default_model_follows_tp1(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """TP=3 on the default model (Q4_1 kept; 9 heads, 3 KV heads) computes TP=1's model: the row-parallel
     projections' shards are summed in another fp32 order, so the two can part at a near tie (on a Zen 3 EPYC,
     AVX2, "What is the capital of France?" gave "The capital of France is Paris." on one rank and "L'Etoile, la
@@ -159,6 +165,9 @@ def test_tp3_on_default_model_follows_tp1() -> None:
     promise the arithmetic can keep). So TP=3 scores TP=1's greedy continuation teacher-forced: every logprob
     within TP_LOGPROB_TOL of TP=1's, and its argmax TP=1's token wherever TP=1's top two are further apart than
     twice that."""
+    if path == "torch":
+        monkeypatch.setenv(quant.FORCE_ENV, "torch")
+    at_most, on_average = TP_LOGPROB_TOL[path]
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     engine = Engine(max_total_tokens=2048)
     try:
@@ -184,8 +193,9 @@ def test_tp3_on_default_model_follows_tp1() -> None:
         assert top == token
         rows.append((i, round(top_lp - second_lp, 4), round(three["prompt_logprobs"][at] - one["logprobs"][i], 4),
                      three["prompt_top_logprobs"][at][0][0] == token))
-    assert all(abs(d) < TP_LOGPROB_TOL for _, _, d, _ in rows), rows
-    assert all(same for _, gap, _, same in rows if gap > 2 * TP_LOGPROB_TOL), rows
+    assert all(abs(d) < at_most for _, _, d, _ in rows), rows
+    assert sum(abs(d) for _, _, d, _ in rows) / len(rows) < on_average, rows
+    assert all(same for _, gap, _, same in rows if gap > 2 * at_most), rows
 
 
 @pytest.mark.parametrize(("kv", "tol"), [("bfloat16", 1e-3), ("int8", 5e-3)])
