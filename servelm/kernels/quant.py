@@ -116,6 +116,9 @@ PANEL_MIN_ROWS = 64
 Q6K_PANEL_MIN_ROWS = 16
 INT8_TILES_MIN_ROWS = 16
 PLANES_INT8_TILES_MIN_ROWS = 12
+# Q8_0 on AVX2 (both paths): its int16 panel GEMM passes the int16 micro-kernel at 12-24 rows at the 1B's shapes
+# (Zen 3; docs/measurements/quant-kernels.md), where the fp32 tiles it replaces had been even with it to ~32.
+Q8_PANEL_MIN_ROWS = 16
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -522,6 +525,8 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
     """Rows of x from which `linear` (outside deterministic mode) and `fused.decode_layer` leave the integer
     micro-kernel for `linear_tiles`, the many-rows path: on the int8 paths the int8 panel GEMM for the nibble
     formats, elsewhere the fp32 tiles (`many_rows_scheme`). `backend`: a kernel path."""
+    if fmt == "q8_0" and backend in ("avx2", "avx2_i8"):  # the int16 panel against the int16 micro-kernel
+        return Q8_PANEL_MIN_ROWS
     if activation_scheme(fmt, backend) != "int8":
         return TILES_MIN_ROWS
     if backend == "avx512_vnni_i8":
@@ -531,7 +536,11 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
 
 def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
-    its rows not bitwise the micro-kernel's) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
+    its rows not bitwise the micro-kernel's), "int16" (Q8_0 on AVX2: the panel GEMM with the int16 scheme's codes,
+    csrc/panels_avx2.cpp) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
+    backend = backend or kernel_backend()
+    if fmt == "q8_0" and backend in ("avx2", "avx2_i8"):  # the panel GEMM with the int16 scheme's codes
+        return "int16"
     return "int8" if activation_scheme(fmt, backend) == "int8" else "fp32"
 
 

@@ -27,6 +27,9 @@ namespace {
 
 constexpr int kGb = 16;  // blocks per group (int32 lanes of a zmm)
 constexpr int kNp = kPanelRows;  // weight rows per decoded panel
+constexpr bool kPanelsQ8 = false;  // Q8_0 takes the fp32 tiles on this path (the driver's run_any)
+template <Fmt F>
+constexpr int64_t kWidth = 1;  // bytes per code
 constexpr int kNr = 4;   // weight rows per micro-tile
 constexpr int kR = 3;    // rows of x per micro-tile
 constexpr int64_t kGroupBytes = kGb * kBlock;  // one group of 16 blocks: 8 slices of 64 bytes
