@@ -165,9 +165,17 @@ def test_tp3_on_default_model_follows_tp1(path: str, monkeypatch: pytest.MonkeyP
     promise the arithmetic can keep). So TP=3 scores TP=1's greedy continuation teacher-forced: every logprob
     within TP_LOGPROB_TOL of TP=1's, and its argmax TP=1's token wherever TP=1's top two are further apart than
     twice that."""
+    before = quant.kernel_backend()
     if path == "torch":
-        monkeypatch.setenv(quant.FORCE_ENV, "torch")
-    at_most, on_average = TP_LOGPROB_TOL[path]
+        monkeypatch.setenv(quant.FORCE_ENV, "torch")  # the spawned ranks read it at start-up
+        quant.force_backend("torch")  # this process resolved its path once, with the first kernel call
+    try:
+        _tp3_follows_tp1(*TP_LOGPROB_TOL[path])
+    finally:
+        quant.force_backend(before)
+
+
+def _tp3_follows_tp1(at_most: float, on_average: float) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     engine = Engine(max_total_tokens=2048)
     try:
