@@ -85,9 +85,9 @@ def test_default_model_same_tokens_and_logprobs_and_acceptance() -> None:
     """The default model (Q4_1 kept, int8 activations), 3 prompts x 128 tokens: the verify rows are decode rows,
     so the tokens are the ones of plain decoding; it copies, so most drafts are taken. Steps stay under the
     rows where the Q4_1 linears leave the per-row micro-kernel (quant.tiles_min_rows), and only one other request
-    keeps the logits rows under 10, where the Q8_0 LM head leaves it: past that, logprobs move by float
-    rounding (~1e-3) and a near tie can flip (541 against 361 at token 36 here), as for plain decoding at a
-    batch of 10."""
+    keeps the logits rows under the Q8_0 LM head's crossover (10 rows; 16 on AVX2): past it, logprobs move by
+    float rounding (~1e-3) and a near tie can flip (541 against 361 at token 36 here), as for plain decoding at
+    such a batch."""
     # the step budget under that crossover (16 rows on AVX2-only CPUs, 64 with AVX-512 VNNI)
     _compare(None, 128, 5e-3, chunk=min(32, quant.tiles_min_rows("q4_1", quant.kernel_backend()) - 1), busy_n=1)
     # One request (at most 5 rows a step): bit for bit, and most of the draft taken.

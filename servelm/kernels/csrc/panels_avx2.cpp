@@ -1,9 +1,10 @@
 // The int8 panel GEMM of panels_avx512_vnni.cpp on AVX2 (path avx2_i8): the same scheme and x codes, groups of
 // 8 blocks (lane l = block l of a ymm), the dot products as vpmaddubsw (unsigned weight codes x int8 x, pairs
 // summed to int16: at most 2 x 63 x 127, so two slices' sums still fit) + vpmaddwd with ones (to int32).
-// Q8_0 comes here too (path avx2 and avx2_i8; its prefill had been fp32 tiles) with the int16 scheme's codes:
-// int8 x codes had cost 2.4 points of teacher-forced top-1 agreement on the default model in q8_0 (97.85% ->
-// 95.41%), vpmaddwd does the same multiplies an instruction as vpmaddubsw with the sign trick would. The
+// Q8_0 comes here too (paths avx2 and avx2_i8; its prompts had run on fp32 tiles) with the int16 scheme's codes,
+// x rounded as its decode rounds it, and vpmaddwd. int8 codes (vpmaddubsw of |w| with x signed by w, as
+// llama.cpp's q8_0 dot products) had cost the default model 2.4 points of teacher-forced top-1 agreement with
+// fp32 in --quantization int8 (97.85% -> 95.41%), for ~15% more speed (docs/measurements/quant-kernels.md). The
 // weights are decoded a panel of kNp rows at a time, block by block (nibbles and bit planes to bytes, then
 // each 4-byte group to its slice), and used against every row of x.
 #include <immintrin.h>
