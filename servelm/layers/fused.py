@@ -142,14 +142,15 @@ def decode_attention(q: torch.Tensor, kv: Any, kv_index: torch.Tensor, lens: tor
 
 
 def prefill_attention(q: torch.Tensor, kv: Any, index: torch.Tensor, reqs: torch.Tensor, scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, causal: bool = True) -> None:
     """Causal attention of extend requests over a layer's paged KV (read in its storage dtype) into `out`
     [T, H * D]: reqs [R, 4] int64 rows (q_start, n, seq_len, index_off) say that rows q_start .. q_start + n
     of q [T, H, D] sit at positions seq_len - n .. seq_len - 1 and see the slots index[index_off ..] up to
-    their own position. Rows of other requests are left as they are."""
+    their own position (not `causal`: all seq_len of them, an encoder's attention). Rows of other requests
+    are left as they are."""
     if not q.is_contiguous():
         q = q.contiguous()
-    _ops().prefill_attention.default(q, kv.k, kv.v, kv.k_scale, kv.v_scale, index, reqs, scale, out)
+    _ops().prefill_attention.default(q, kv.k, kv.v, kv.k_scale, kv.v_scale, index, reqs, scale, out, causal)
 
 
 def decode_layer_static(layer: Any, args: tuple[list, list[int], list[int], list, list[str]], kv: Any,

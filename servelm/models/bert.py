@@ -102,20 +102,52 @@ class BertLayer(nn.Module):
         attr, algorithm = post or ("none", "")
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, [], algorithm)
 
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """x [T, H]: the batch's inputs one after another, `lengths` tokens each."""
+    def forward(self, x: torch.Tensor, lengths: list[int], plan: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """x [T, H]: the batch's inputs one after another, `lengths` tokens each; `plan` (index, reqs) for
+        servelm's fused attention (BertEncoder.forward), else torch's."""
         qkv = self._linear("qkv", x)
-        # Attention input by input, on views of the packed rows: no padding, no gather (a padded batch cost 40%
-        # more here, a third of it the copies in and out of the padded layout).
-        outs, start = [], 0
-        for n in lengths:
-            q, k, v = qkv[start:start + n].view(n, 3, self.heads, self.head_dim).permute(1, 2, 0, 3).unbind(0)
-            outs.append(F.scaled_dot_product_attention(q, k, v).permute(1, 0, 2).reshape(n, -1))
-            start += n
-        attn = torch.cat(outs) if len(outs) > 1 else outs[0]
+        if plan is not None:
+            attn = self._fused_attention(qkv, *plan)
+        else:
+            # Attention input by input, on views of the packed rows: no padding, no gather (a padded batch cost
+            # 40% more here, a third of it the copies in and out of the padded layout).
+            outs, start = [], 0
+            for n in lengths:
+                q, k, v = qkv[start:start + n].view(n, 3, self.heads, self.head_dim).permute(1, 2, 0, 3).unbind(0)
+                outs.append(F.scaled_dot_product_attention(q, k, v).permute(1, 0, 2).reshape(n, -1))
+                start += n
+            attn = torch.cat(outs) if len(outs) > 1 else outs[0]
         x = self.attn_norm(x + self._linear("out", attn))
         up = self._linear("up", x, ONEDNN_POST_OPS[self.act_name])
         return self.mlp_norm(x + self._linear("down", up))
+
+
+    def _fused_attention(self, qkv: torch.Tensor, index: torch.Tensor, reqs: torch.Tensor) -> torch.Tensor:
+        """Every input's bidirectional attention in one call of servelm's blocked prefill attention
+        (`fused.prefill_attention`, not causal), its keys and values the packed rows themselves (index = every
+        row). NOTE: torch's SDPA input by input cost ~150-320 us a call on a 2-core Zen 3 EPYC, 6 calls an input,
+        ~19% of MiniLM's forward; here a layer's inputs are one call split over the threads
+        (docs/embeddings.md)."""
+        from servelm.layers import fused
+
+        t, hd = qkv.shape[0], self.heads * self.head_dim
+        k = qkv[:, hd:2 * hd].contiguous().view(t, self.heads, self.head_dim)
+        v = qkv[:, 2 * hd:].contiguous().view(t, self.heads, self.head_dim)
+        out = qkv.new_empty(t, hd)
+        fused.prefill_attention(qkv[:, :hd].reshape(t, self.heads, self.head_dim), _Keys(k, v), index, reqs,
+                                self.head_dim ** -0.5, out, causal=False)
+        return out
+
+
+@dataclass
+class _Keys:
+    """Keys and values [T, H, D] where `fused.prefill_attention` reads a layer's KV cache (fp32: no scales)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: None = None
+    v_scale: None = None
 
 
 class BertEncoder(nn.Module):
@@ -138,9 +170,15 @@ class BertEncoder(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.hidden_size = h
         self.max_positions = config.max_position_embeddings
+        self.fused_attention = False  # see prepack
 
     def prepack(self) -> bool:
-        """Pre-pack the projections for oneDNN (after loading); False where oneDNN cannot (not a CPU)."""
+        """Pre-pack the projections for oneDNN (after loading), and take servelm's fused attention where it
+        runs (fp32 on CPU, the kernel library built, `SERVELM_FUSED_OPS` not off); False where oneDNN cannot
+        (not a CPU)."""
+        from servelm.layers import fused
+
+        self.fused_attention = fused.available(self.word.weight)
         if not torch.backends.mkldnn.is_available() or self.word.weight.device.type != "cpu":
             return False
         for layer in self.layers:
@@ -174,8 +212,13 @@ class BertEncoder(nn.Module):
         """The last hidden states [T, H] of a packed batch."""
         x = self.word(batch.input_ids) + self.position(batch.positions) + self.token_type(batch.token_types)
         x = self.norm(x)
+        plan = None
+        if self.fused_attention:  # every row is a key of its own input: index = the rows, reqs = the inputs
+            starts = batch.starts
+            lens = torch.tensor(batch.lengths, dtype=torch.long)
+            plan = (torch.arange(x.shape[0], dtype=torch.long), torch.stack([starts, lens, lens, starts], 1))
         for layer in self.layers:
-            x = layer(x, batch.lengths)
+            x = layer(x, batch.lengths, plan)
         return x
 
     # ------------------------------------------------------------------------------------------ weights

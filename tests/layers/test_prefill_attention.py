@@ -4,6 +4,7 @@ read in its storage dtype (online softmax over fixed 128-key chunks, no [q, k] m
 * every ISA and KV dtype against float64 attention over the decoded K/V, prompts and extends across chunk
   boundaries, several requests in one call, head groups of 1 to 7 and head sizes 40 to 128;
 * long contexts (20k keys) against SDPA;
+* not causal (an encoder's attention: every query sees all its request's keys), every ISA and KV dtype;
 * a row's bits depend neither on the threads, nor on the other requests, nor on how its prompt was chunked;
 * through PagedAttention in mixed steps against the layer's torch path (SDPA);
 * bad inputs are refused.
@@ -46,21 +47,23 @@ def _case(name: str, reqs: list[tuple[int, int]], hkv: int, group: int, D: int, 
     return kv, slots, q, torch.cat(slots), torch.tensor(rows, dtype=torch.long).view(-1, 4)
 
 
-def _run(q: torch.Tensor, kv: mp.LayerKV, index: torch.Tensor, reqs: torch.Tensor) -> torch.Tensor:
+def _run(q: torch.Tensor, kv: mp.LayerKV, index: torch.Tensor, reqs: torch.Tensor,
+         causal: bool = True) -> torch.Tensor:
     out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"))
-    fused.prefill_attention(q, kv, index, reqs, q.shape[-1] ** -0.5, out)
+    fused.prefill_attention(q, kv, index, reqs, q.shape[-1] ** -0.5, out, causal=causal)
     return out
 
 
 def _reference(kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], reqs: torch.Tensor,
-               group: int) -> torch.Tensor:
-    """float64 causal attention of each request's queries over its decoded K/V."""
+               group: int, causal: bool = True) -> torch.Tensor:
+    """float64 attention (causal, or over all keys) of each request's queries over its decoded K/V."""
     outs = []
     for s, (qs, n, L, _) in zip(slots, reqs.tolist()):
         keys, values = (t.double().repeat_interleave(group, dim=1) for t in kv.gather(s))  # [L, H, D]
         scores = torch.einsum("ihd,lhd->hil", q[qs:qs + n].double(), keys) * q.shape[-1] ** -0.5
         visible = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]  # [n, L]
-        scores = scores.masked_fill(~visible, float("-inf"))
+        if causal:
+            scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.einsum("hil,lhd->ihd", scores.softmax(-1), values).reshape(n, -1))
     return torch.cat(outs).float()
 
@@ -76,6 +79,16 @@ def test_prefill_attention_reads_every_dtype(isa: int, name: str, group: int, D:
     kv, slots, q, index, reqs = _case(name, REQS, 2, group, D, seed=group * D)
     out = _run(q, kv, index, reqs)
     torch.testing.assert_close(out, _reference(kv, q, slots, reqs, group), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", STORED)
+@pytest.mark.parametrize(("group", "D"), [(1, 32), (4, 64), (3, 40)])
+def test_prefill_attention_not_causal(isa: int, name: str, group: int, D: int) -> None:
+    """An encoder's attention (BertLayer): every query sees every key of its request, across chunk boundaries."""
+    kv, slots, q, index, reqs = _case(name, REQS, 2, group, D, seed=group * D + 1)
+    out = _run(q, kv, index, reqs, causal=False)
+    torch.testing.assert_close(out, _reference(kv, q, slots, reqs, group, causal=False), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, _run(q, kv, index, reqs))  # the mask is what differs
 
 
 def test_prefill_attention_writes_only_its_rows() -> None:

@@ -95,6 +95,20 @@ def test_a_batch_embeds_each_input_as_alone(tmp_path: Path) -> None:
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
 
 
+def test_fused_attention_equals_torch_attention(tmp_path: Path) -> None:
+    """Where the C++ kernels are built, the encoder's attention is servelm's blocked prefill attention (not
+    causal) in one call a layer; it gives what torch's SDPA input by input gives."""
+    from servelm.layers import fused
+
+    runner = runner_of(st_folder(tmp_path / "m", "mean", False))
+    assert runner.model.fused_attention == fused.loaded()
+    if not fused.loaded():
+        pytest.skip("the C++ kernels cannot be built here")
+    got = servelm_embed(runner, TEXTS)
+    runner.model.fused_attention = False
+    torch.testing.assert_close(got, servelm_embed(runner, TEXTS), rtol=1e-5, atol=1e-5)
+
+
 def test_pooling_flag_overrides_the_files(tmp_path: Path) -> None:
     runner = runner_of(st_folder(tmp_path / "m", "mean", True), pooling="cls")
     assert runner.pooling.mode == "cls" and runner.pooling.normalize and runner.pooling.source == "--pooling"

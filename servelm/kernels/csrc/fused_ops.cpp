@@ -69,8 +69,9 @@ struct DecodeWork {
 };
 
 // A prefill-attention call (fused_kernels.inc, prefill_units): request r's n new queries are rows
-// q_start .. q_start + n of q [T, H, D], at positions seq_len - n .. seq_len - 1, and attend causally to the slots
-// index[index_off .. index_off + seq_len) (reqs[r] = {q_start, n, seq_len, index_off}). Unit u = (request
+// q_start .. q_start + n of q [T, H, D], at positions seq_len - n .. seq_len - 1, and attend causally (or, not
+// `causal`, all of them: an encoder) to the slots index[index_off .. index_off + seq_len) (reqs[r] = {q_start, n,
+// seq_len, index_off}). Unit u = (request
 // units[3u], kv head units[3u + 1], queries units[3u + 2] .. + qb): its qb * g query rows, padded to rows (a
 // multiple of W). out [T, H * D] (the covered rows).
 struct PrefillWork {
@@ -82,6 +83,7 @@ struct PrefillWork {
   int64_t H, Hkv, D, qb, rows;
   const int64_t* units;
   float* out;
+  bool causal;
 };
 
 // A prefill unit's working floats (fused_kernels.inc, prefill_unit): queries and outputs [D][rows], one chunk's
@@ -481,10 +483,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 // Prefill and extend attention over the paged KV, causal, read in its storage dtype (no fp32 copy of the cache,
 // no [queries, keys] matrix): q [T, H, D]; reqs [R, 4] int64 rows {q_start, n, seq_len, index_off}: request r's
 // n queries are rows q_start .. q_start + n of q, at positions seq_len - n .., and see the slots
-// index[index_off .. index_off + position]. Writes those rows of out [T, H * D] (others untouched).
+// index[index_off .. index_off + position] (not `causal`: all seq_len of them, an encoder's bidirectional
+// attention). Writes those rows of out [T, H * D] (others untouched).
 void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                       const at::Tensor& index, const at::Tensor& reqs, double scale, const at::Tensor& out) {
+                       const at::Tensor& index, const at::Tensor& reqs, double scale, const at::Tensor& out,
+                       bool causal) {
   check_contig_f32(q, "q");
   check_contig_f32(out, "out");
   TORCH_CHECK(q.dim() == 3, "servelm_fused: q must be [T, H, D]");
@@ -521,13 +525,14 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     for (int64_t i0 = 0; i0 < n; i0 += qb) {
       for (int64_t hk = 0; hk < Hkv; ++hk) {
         units.insert(units.end(), {r, hk, i0});
-        cost.push_back(cost.back() + static_cast<double>(rows) * (prefix + std::min(n, i0 + qb)));
+        const int64_t seen = prefix + (causal ? std::min(n, i0 + qb) : n);  // keys its last query sees
+        cost.push_back(cost.back() + static_cast<double>(rows) * seen);
       }
     }
   }
   const int64_t U = static_cast<int64_t>(units.size()) / 3;
   const PrefillWork w{q.data_ptr<float>(), kv, ip, rp, static_cast<float>(scale), H, Hkv, D, qb, rows,
-                      units.data(), out.data_ptr<float>()};
+                      units.data(), out.data_ptr<float>(), causal};
   // Threads take runs of units of equal cost (a causal prompt's later queries see more keys).
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), U));
   const double total = cost.back();
@@ -668,7 +673,8 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
           "Tensor kv_index, Tensor lens, float scale) -> Tensor", &servelm_fused::decode_attention);
   lib.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
-          "Tensor index, Tensor reqs, float scale, Tensor(a!) out) -> ()", &servelm_fused::prefill_attention);
+          "Tensor index, Tensor reqs, float scale, Tensor(a!) out, bool causal=True) -> ()",
+          &servelm_fused::prefill_attention);
   lib.def("decode_layer(Tensor hidden, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, "
           "Tensor?[] weights, int[] fmts, int[] parts, Tensor?[] biases, Tensor positions, Tensor cos, Tensor sin, "
           "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, Tensor out_cache_loc, "
