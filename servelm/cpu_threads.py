@@ -10,7 +10,7 @@ Two of its habits hurt on shared machines:
   count in OMP_NUM_THREADS before the scheduler and TP worker processes are spawned (they inherit it).
 * Competition. With as many threads as CPUs and another busy process on the machine, a thread that loses
   its core holds up every barrier of every op, and libgomp's workers spin between ops, taking CPU from the
-  other process. `ThreadGovernor` watches for runnable tasks of other processes and runs the model on the
+  other process. `ThreadGovernor` watches the CPU time other processes take and runs the model on the
   CPUs they leave free, back to all of them once they are gone. Measured on the 2-core dev machine
   (README, "Speed switches"), this keeps the idle speed of libgomp's default (spinning) wait policy and
   more than doubles the decode speed next to a process that burns a core (x0.99 idle, x2.28 busy); a
@@ -218,26 +218,89 @@ def configure_cpu_threads(num_threads: int | None = None, processes: int = 1,
 
 
 # ------------------------------------------------------------------ adapting to other processes
-def others_running(proc_stat: Path = Path("/proc/stat"), own_tasks: Path = Path("/proc/self/task")) -> int | None:
-    """Runnable tasks of other processes right now: the kernel's `procs_running` less this process's running
-    threads (the caller's own included). None where /proc does not say."""
+def _busy_seconds(proc_stat: Path) -> float | None:
+    """CPU seconds the machine has spent busy since boot (/proc/stat's cpu line: user, nice, system, irq,
+    softirq; guest time is inside user), or None where /proc does not say."""
     text = _read(proc_stat)
-    if text is None:
+    line = next((ln for ln in (text or "").splitlines() if ln.startswith("cpu ")), None)
+    if line is None:
         return None
-    running = next((int(line.split()[1]) for line in text.splitlines() if line.startswith("procs_running ")), None)
-    if running is None:
-        return None
-    ours = 0
     try:
-        tasks = list(own_tasks.iterdir())
-    except OSError:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in line.split()[1:8])
+    except ValueError:
         return None
-    for task in tasks:
-        stat = _read(task / "stat")
-        # "pid (comm) S ...": the state follows the last ')' (comm may hold spaces and parentheses).
-        if stat and stat[stat.rfind(")") + 2:stat.rfind(")") + 3] == "R":
-            ours += 1
-    return max(0, running - ours)
+    return (user + nice + system + irq + softirq) / _CLOCK_TICKS
+
+
+def _process_seconds(stat_path: Path) -> float | None:
+    """A process's CPU seconds (utime + stime of /proc/PID/stat, all its threads), or None once it is gone."""
+    text = _read(stat_path)
+    if not text:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # "pid (comm) S ...": comm may hold spaces and parentheses
+    try:
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (IndexError, ValueError):
+        return None
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def serving_family(proc: Path = Path("/proc")) -> list[int]:
+    """The processes that serve beside this one: its parent (the API server, or the program of an offline
+    Engine), the parent's other children (detokenizer, other ranks and replicas) and this process's own
+    children. Their work is this server's: the governor does not give them the model's cores."""
+    def children(pid: int) -> list[int]:
+        out: list[int] = []
+        try:
+            tasks = list((proc / str(pid) / "task").iterdir())
+        except OSError:
+            return out
+        for task in tasks:
+            out.extend(int(c) for c in (_read(task / "children") or "").split())
+        return out
+
+    me, parent = os.getpid(), os.getppid()
+    return sorted(pid for pid in {parent, *children(parent), *children(me)} - {me} if pid > 1)
+
+
+class OthersLoad:
+    """How many CPUs other processes kept busy since the previous call: the machine's busy CPU time less this
+    process's and its serving family's, over the wall time between the two calls (None on the first call, or
+    where /proc does not say).
+
+    NOTE: this replaced a count of other processes' runnable tasks sampled every 0.2 s. On a shared 2-core VM
+    that count averaged 0.4-0.8 with nothing of ours running (kernel threads, the host's agents: each
+    instant caught a task on its way), and an embedding server's own API process (~0.2-0.3 CPU at 32
+    requests in flight) counted as a rival too: MiniLM's model ran on one of its two threads most of the
+    time, 72-82 inputs/s against 90-103 on two (docs/embeddings.md). Time spent is what a rival takes."""
+
+    def __init__(self, proc: Path = Path("/proc"), family: Callable[[], list[int]] = serving_family,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.proc = proc
+        self.family = family
+        self.clock = clock
+        self._last: tuple[float, float, dict[int, float]] | None = None
+
+    def __call__(self) -> float | None:
+        busy = _busy_seconds(self.proc / "stat")
+        own = _process_seconds(self.proc / "self" / "stat")
+        if busy is None or own is None:
+            self._last = None
+            return None
+        ours = {0: own}  # key 0: this process
+        for pid in self.family():
+            spent = _process_seconds(self.proc / str(pid) / "stat")
+            if spent is not None:
+                ours[pid] = spent
+        now, last = self.clock(), self._last
+        self._last = (now, busy, ours)
+        if last is None or now <= last[0]:
+            return None
+        # a relative that appeared since the last call counts from now; one that exited takes its last moments
+        ours_spent = sum(t - last[2].get(pid, t) for pid, t in ours.items())
+        return max(0.0, busy - last[1] - ours_spent) / (now - last[0])
 
 
 class ThreadGovernor:
@@ -247,21 +310,22 @@ class ThreadGovernor:
     With as many threads as CPUs and another busy process, a thread that loses its core holds up every
     barrier of every op (and libgomp's spinning workers take CPU from the other process): measured on the
     2-core dev machine, decode fell to a quarter; one thread keeps ~2/3 of the idle speed. So, every
-    `interval_s` while it is working, it samples how many tasks of other processes are runnable; over
-    `window` samples it picks `cpus - round(mean)` threads (at least 1, at most `max_threads`).
+    `interval_s` while it is working, it samples how many CPUs other processes kept busy (`OthersLoad`: not
+    this server's own processes); over `window` samples it picks `cpus - round(mean)` threads (at least 1,
+    at most `max_threads`).
     `tick()` is cheap between samples; the scheduler calls it every step.
     """
 
     def __init__(self, max_threads: int, cpus: int, *, interval_s: float = 0.2, window: int = 5,
-                 sample: Callable[[], int | None] = others_running,
+                 sample: Callable[[], float | None] | None = None,
                  set_threads: Callable[[int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.max_threads = max_threads
         self.cpus = cpus
         self.threads = max_threads
         self.interval_s = interval_s
-        self._samples: deque[int] = deque(maxlen=window)
-        self._sample = sample
+        self._samples: deque[float] = deque(maxlen=window)
+        self._sample = sample if sample is not None else OthersLoad()
         self._set_threads = set_threads or _set_torch_threads
         self._clock = clock
         self._next = 0.0
@@ -277,16 +341,24 @@ class ThreadGovernor:
             return None
         count, source = resolve_num_threads(num_threads, processes)
         cpus = available_cpus()
-        if source != "available CPUs" or count < 2 or cpus != (os.cpu_count() or cpus) or others_running() is None:
+        if source != "available CPUs" or count < 2 or cpus != (os.cpu_count() or cpus) or (
+                _busy_seconds(Path("/proc/stat")) is None):
             return None
         return cls(count, cpus)
 
     def tick(self) -> None:
+        """Call while working (each step). After a pause (no call for two intervals) the count starts afresh:
+        what other processes did while the model had nothing to run (a local client preparing its requests:
+        it had put the model on one thread before the first request came) is not what they do now."""
         now = self._clock()
         if now < self._next:
             return
+        paused = self._next > 0.0 and now > self._next + self.interval_s
         self._next = now + self.interval_s
         others = self._sample()
+        if paused:
+            self._samples.clear()
+            return  # `others` spans the pause
         if others is None:
             return
         self._samples.append(others)

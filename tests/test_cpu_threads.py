@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,10 +23,10 @@ from servelm.cpu_threads import (
     available_cpus,
     cgroup_cpu_limit,
     configure_cpu_threads,
-    others_running,
     parse_cfs_quota,
     parse_cpu_max,
     resolve_num_threads,
+    serving_family,
 )
 
 
@@ -236,10 +237,24 @@ def test_governor_runs_on_the_cpus_others_leave_free() -> None:
     assert set_to == [1, 2, 1]
 
 
+def test_governor_starts_afresh_after_a_pause() -> None:
+    """What others did while the model was idle (no ticks) is not counted: a busy window before a pause does
+    not decide after it."""
+    clock, set_to = Clock(), []
+    load = iter([1.0] * 4 + [1.0] + [0.0] * 5 + [1.0] * 5)
+    gov = ThreadGovernor(2, 2, interval_s=0.2, window=5, sample=lambda: next(load), set_threads=set_to.append,
+                         clock=clock)
+    run_governor(gov, clock, [0] * 4)  # four busy samples, one short of a decision
+    clock.t += 5.0  # idle: no ticks
+    run_governor(gov, clock, [0] * 6)  # the sample spanning the pause is dropped, and the four before it
+    assert set_to == []
+    run_governor(gov, clock, [0] * 5)  # a busy window of its own
+    assert set_to == [1]
+
+
 def test_governor_is_off_where_the_count_is_the_users(clean_environ: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_threads, "available_cpus", lambda *a: 2)
     monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(cpu_threads, "others_running", lambda *a: 0)
     assert ThreadGovernor.for_process(None) is not None
     assert ThreadGovernor.for_process(2) is None  # --num-threads
     assert ThreadGovernor.for_process(None, deterministic=True) is None  # results must not depend on load
@@ -251,12 +266,51 @@ def test_governor_is_off_where_the_count_is_the_users(clean_environ: None, monke
     assert ThreadGovernor.for_process(None) is None  # a quota on a bigger machine: others are not rivals
 
 
-def test_others_running_reads_proc(tmp_path: Path) -> None:
-    (tmp_path / "stat").write_text("cpu  1 2 3\nprocs_running 5\nprocs_blocked 0\n")
-    tasks = tmp_path / "task"
-    for pid, state in ((10, "R"), (11, "S"), (12, "R")):
-        (tasks / str(pid)).mkdir(parents=True)
-        (tasks / str(pid) / "stat").write_text(f"{pid} (python (x) y) {state} 1 2 3\n")
-    assert others_running(tmp_path / "stat", tasks) == 3  # 5 running, 2 of them ours
-    assert others_running(tmp_path / "missing", tasks) is None
-    assert isinstance(others_running(), int)  # this machine's /proc
+def _fake_proc(root: Path, busy: int, spent: dict[str, int]) -> None:
+    """/proc/stat with `busy` jiffies of user time and /proc/<name>/stat with `spent` jiffies of utime."""
+    root.mkdir(exist_ok=True)
+    (root / "stat").write_text(f"cpu  {busy} 0 0 500 7 0 0 0 0 0\ncpu0 1 2 3\nprocs_running 5\n")
+    for name, jiffies in spent.items():
+        (root / name).mkdir(exist_ok=True)
+        fields = ["S", "1"] + ["0"] * 9 + [str(jiffies), "0"] + ["0"] * 8
+        (root / name / "stat").write_text(f"{name} (python (x) y) {' '.join(fields)}\n")
+
+
+def test_others_load_is_the_cpu_time_of_other_processes(tmp_path: Path) -> None:
+    """Busy time of the machine less this process's and its family's, over the wall time between calls."""
+    ticks = cpu_threads._CLOCK_TICKS
+    clock = Clock()
+    family = [7, 8]
+    load = cpu_threads.OthersLoad(tmp_path, family=lambda: family, clock=clock)
+    _fake_proc(tmp_path, 1000, {"self": 300, "7": 50, "8": 10})
+    assert load() is None  # the first call only starts the count
+    clock.t = 1.0
+    # 1.5 CPU-seconds busy in 1 s: this process 0.5, the API process 0.2, the detokenizer 0, others 0.8
+    _fake_proc(tmp_path, 1000 + int(1.5 * ticks), {"self": 300 + int(0.5 * ticks), "7": 50 + int(0.2 * ticks),
+                                                   "8": 10})
+    assert load() == pytest.approx(0.8)
+    clock.t = 2.0
+    family.remove(8)  # gone, and a new relative that has spent 30 jiffies before it counts
+    family.append(9)
+    _fake_proc(tmp_path, 1000 + int(1.6 * ticks), {"self": 300 + int(0.6 * ticks), "7": 50 + int(0.2 * ticks),
+                                                   "9": 30})
+    assert load() == pytest.approx(0.0)
+    assert cpu_threads.OthersLoad(tmp_path / "missing")() is None
+    real = cpu_threads.OthersLoad()  # this machine's /proc
+    assert real() is None
+    time.sleep(0.05)
+    assert 0.0 <= real() <= (os.cpu_count() or 1) + 0.5
+
+
+def test_serving_family_reads_the_process_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_threads.os, "getpid", lambda: 20)
+    monkeypatch.setattr(cpu_threads.os, "getppid", lambda: 10)
+    tree = {10: {10: "20 21", 11: "22"}, 20: {20: "30"}, 21: {21: ""}}  # pid -> its threads' children files
+    for pid, threads in tree.items():
+        for tid, kids in threads.items():
+            (tmp_path / str(pid) / "task" / str(tid)).mkdir(parents=True)
+            (tmp_path / str(pid) / "task" / str(tid) / "children").write_text(kids)
+    assert serving_family(tmp_path) == [10, 21, 22, 30]
+    # and on this machine: the parent (pytest's, or a shell) is in it, this process is not
+    assert os.getppid() in serving_family() or os.getppid() == 1
+    assert os.getpid() not in serving_family()

@@ -179,13 +179,14 @@ class SchedulerLoop:
         """Receive what is there (waiting only while idle), dispatch it, then run one step."""
         for msg in self._receive(block=not self.scheduler.has_work()):
             self._handle(msg)
-        if self.scheduler.has_work():
+        working = self.scheduler.has_work()
+        if working:
             outputs = self.scheduler.step()
             self._send_outputs(list(outputs or []))
         elif self._cache is not None and self._cache.events:  # e.g. an abort gave its pages to the tree
             self._send_outputs([])
         self.log_stats()
-        if self.governor is not None:
+        if self.governor is not None and working:  # the model's threads compete only while it runs
             self.governor.tick()
 
     def _send_outputs(self, outputs: list[TokenOut]) -> None:
