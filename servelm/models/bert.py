@@ -134,7 +134,6 @@ class BertLayer(nn.Module):
         up = self._linear("up", x, ONEDNN_POST_OPS[self.act_name])
         return self.mlp_norm(x + self._linear("down", up))
 
-
     def _fused_attention(self, qkv: torch.Tensor, index: torch.Tensor, reqs: torch.Tensor) -> torch.Tensor:
         """Every input's bidirectional attention in one call of servelm's blocked prefill attention
         (`fused.prefill_attention`, not causal), its keys and values the packed rows themselves (index = every
