@@ -298,8 +298,8 @@ def test_others_load_is_the_cpu_time_of_other_processes(tmp_path: Path) -> None:
     assert cpu_threads.OthersLoad(tmp_path / "missing")() is None
     real = cpu_threads.OthersLoad()  # this machine's /proc
     assert real() is None
-    time.sleep(0.05)
-    assert 0.0 <= real() <= (os.cpu_count() or 1) + 0.5
+    time.sleep(0.2)
+    assert 0.0 <= real() <= (os.cpu_count() or 1) + 1.0  # jiffies: a tick or two of rounding each way
 
 
 def test_serving_family_reads_the_process_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
