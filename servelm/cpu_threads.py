@@ -218,6 +218,9 @@ def configure_cpu_threads(num_threads: int | None = None, processes: int = 1,
 
 
 # ------------------------------------------------------------------ adapting to other processes
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's time unit
+
+
 def _busy_seconds(proc_stat: Path) -> float | None:
     """CPU seconds the machine has spent busy since boot (/proc/stat's cpu line: user, nice, system, irq,
     softirq; guest time is inside user), or None where /proc does not say."""
@@ -242,9 +245,6 @@ def _process_seconds(stat_path: Path) -> float | None:
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
     except (IndexError, ValueError):
         return None
-
-
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def serving_family(proc: Path = Path("/proc")) -> list[int]:

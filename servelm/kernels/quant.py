@@ -526,7 +526,7 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
     micro-kernel for `linear_tiles`, the many-rows path: on the int8 paths the int8 panel GEMM for the nibble
     formats, for Q8_0 on AVX2 the panel GEMM with int16 codes, elsewhere the fp32 tiles (`many_rows_scheme`).
     `backend`: a kernel path."""
-    if fmt == "q8_0" and backend in ("avx2", "avx2_i8"):  # the int16 panel against the int16 micro-kernel
+    if many_rows_scheme(fmt, backend) == "int16":  # Q8_0's int16 panel against the int16 micro-kernel
         return Q8_PANEL_MIN_ROWS
     if activation_scheme(fmt, backend) != "int8":
         return TILES_MIN_ROWS

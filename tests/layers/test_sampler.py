@@ -141,3 +141,16 @@ def test_logit_bias() -> None:
     out = sample(logits.repeat(2, 1), [up, down])
     assert out.token_ids[0] == other
     assert out.token_ids[1] == int(logits[0].clone().index_fill_(0, torch.tensor([top]), -1e9).argmax())
+
+
+def test_sampling_params_to_dict_is_asdict_with_its_own_lists() -> None:
+    """`to_dict` (copied field by field for speed) gives what `dataclasses.asdict` gives, lists and dicts copied."""
+    import dataclasses
+
+    p = SamplingParams(max_new_tokens=7, stop=["a", "b"], stop_token_ids=[3], logit_bias={"5": -1.0},
+                       stop_regex="x+", constraint_after=[9], seed=4, json_schema="{}")
+    d = p.to_dict()
+    assert d == dataclasses.asdict(p) and SamplingParams.from_dict(d) == p
+    d["stop"].append("c")
+    d["logit_bias"][6] = 1.0
+    assert p.stop == ["a", "b"] and p.logit_bias == {5: -1.0}
