@@ -1,11 +1,12 @@
-"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the k-quants Q4_K,
-Q5_K, Q6_K and IQ4_XS) kept at their own bits, and the matmul over them.
+"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the k-quants Q3_K,
+Q4_K, Q5_K, Q6_K and IQ4_XS) kept at their own bits, and the matmul over them.
 
 A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight blocks in the layout the
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's and IQ4_XS's nibbles index
-  llama.cpp's table of 16 int8 values (`IQ4_VALUES`);
+  llama.cpp's table of 16 int8 values (`IQ4_VALUES`); Q3_K's 3-bit codes (its two low bits from `qs`, the third
+  from `hmask`) widened to a nibble each;
 * `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
   4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
   kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
@@ -13,14 +14,17 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
 * `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
-  the 12-byte field), Q6_K's int8 scales of the block's two halves; IQ4_XS's one, [N, KB, 1]: its 6-bit scale
-  - 32 as int8 (unpacked from scales_l/scales_h).
+  the 12-byte field), Q6_K's int8 scales of the block's two halves, Q3_K's the same (its 6-bit scales - 32,
+  unpacked from the 12-byte field); IQ4_XS's one, [N, KB, 1]: its 6-bit scale - 32 as int8 (unpacked from
+  scales_l/scales_h).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
 file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to
-bytes).
+bytes), except Q3_K: 1.33x, its 3-bit codes held as nibbles (146 bytes a super-block against the file's 110), so
+that every kernel reads it as it reads the other nibble formats; dequantising it to fp32 had taken 9.3x.
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
+`(d * sc) * (q - 4)` for Q3_K,
 `d * IQ4_VALUES[q]` for IQ4_NL, `(d * (sc - 32)) * IQ4_VALUES[q]` for IQ4_XS, fp32).
 `linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 / scalar, chosen at run time,
 built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
@@ -63,6 +67,7 @@ class BlockFormat:
     planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32)
     crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
+    split: bool = False  # a scale per 16 weights (Q3_K, Q6_K): sc holds the int8 scales of a block's two halves
     # the nibble indexes `IQ4_VALUES` (IQ4_NL, IQ4_XS); the kernels take value + 128 as an unsigned code (offset
     # 128)
     lut: bool = False
@@ -86,9 +91,11 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 4, 16, has_min=True, planes=1),
     BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 5, 16, has_min=True, super_block=True),
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 6, 16, has_min=True, planes=1, super_block=True),
-    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, crumbs=True, super_block=True),
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 7, 16, offset=32, planes=2, crumbs=True, super_block=True,
+                split=True),
     BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8, 16, offset=128, lut=True),
     BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 9, 16, offset=128, super_block=True, lut=True),
+    BlockFormat("q3_k", GGMLQuantizationType.Q3_K, 10, 16, offset=4, super_block=True, split=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
 # `quantize` writes these (gguf-py's reference rounding; it has none for the k-quants or IQ4_NL)
@@ -284,6 +291,17 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
             raw = blocks[:, 16:48].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             qh = _quad_planes(_words((raw & 1).reshape(n, kb, 32)))
         return QuantWeight(fmt, (n, k), _nibbles(codes), half(0), half(2), qh, None, scales)
+    if fmt == "q3_k":  # hmask [32], qs [64], 12 bytes of 6-bit scales, fp16 d (gguf.quants.Q3_K's order)
+        # element 32 j + l of a super-block (block j, l 0..31): two low bits at bit 2 (j % 4) of qs byte
+        # 32 (j // 4) + l, the third at bit j of hmask byte l; code = their 3 bits, value d * (sc - 32) * (code - 4)
+        low = blocks[:, 32:96].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        high = blocks[:, :32].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        codes = ((low.reshape(b, 8, 32) & 3) | ((high & 1) << 2)).reshape(n, kb, 32)
+        lsc = (blocks[:, 96:104].reshape(b, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(b, 16)
+        hsc = (blocks[:, 104:108].reshape(b, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(b, 16)
+        scales = ((lsc & 15) | ((hsc & 3) << 4)).astype(np.int16) - 32  # one per 16 weights: block j's 2j, 2j + 1
+        sc = torch.from_numpy(np.ascontiguousarray(scales.astype(np.int8))).view(torch.uint8).view(n, kb, 2)
+        return QuantWeight(fmt, (n, k), _nibbles(codes), half(108), None, None, None, sc)
     # Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), fp16 d; per half h (128 weights) ql's
     # 64 bytes hold elements 0..63 (low nibbles) and 64..127 (high), qh's 32 bytes four 2-bit fields per byte.
     low = blocks[:, :128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -442,7 +460,7 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     per_block = (d.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1)).unsqueeze(-1)  # [..., KB, 1]
     if qw.fmt == "iq4_xs":  # d * (6-bit scale - 32), exact in fp32
         return (q * per_block * sc.view(torch.int8).to(torch.float32)).flatten(-2)
-    if qw.fmt == "q6_k":  # int8 scale per 16 weights: d * scale, exact in fp32
+    if f.split:  # Q3_K, Q6_K: an int8 scale per 16 weights: d * scale, exact in fp32
         scale = per_block * sc.view(torch.int8).to(torch.float32).repeat_interleave(16, dim=-1)
         return (q * scale).flatten(-2)
     dmin = m.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1).unsqueeze(-1)
@@ -568,7 +586,7 @@ def activation_scheme(fmt: str, backend: str | None = None) -> str:
 
 def activation_block(fmt: str, backend: str | None = None) -> int:
     """The values of x that share one int8 scale d = amax / 127 on the int8 scheme (`activation_scheme` "int8"):
-    32 (llama.cpp's Q8_0), or 256 for the k-quants with integer block scales (q4_k, q5_k, q6_k) on avx2_i8
+    32 (llama.cpp's Q8_0), or 256 for the k-quants with integer block scales (q3_k .. q6_k) on avx2_i8
     (llama.cpp's Q8_K), there with a power-of-two sub-scale per block of 32, d * 2^-e, e the largest e <= 6 with
     the block's amax * 2^e <= the super-block's (csrc/quant_common.h kSubShift). The micro-kernel then sums a
     super-block's scaled blocks in int32 and scales once per 256 weights, where a scale per block of x had cost
@@ -576,7 +594,7 @@ def activation_block(fmt: str, backend: str | None = None) -> int:
     d per 256 alone had cost 1.3-1.5 points of top-1 agreement on a Q4_K_M file of the default model's weights).
     The panel GEMM rounds x the same way."""
     backend = backend or kernel_backend()
-    return 256 if backend == "avx2_i8" and fmt in ("q4_k", "q5_k", "q6_k") else BLOCK
+    return 256 if backend == "avx2_i8" and fmt in ("q3_k", "q4_k", "q5_k", "q6_k") else BLOCK
 
 
 def batch_invariant(backend: str | None = None) -> bool:

@@ -33,10 +33,10 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
-    """Q4_K or Q6_K blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row].
+    """Q3_K, Q4_K or Q6_K blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row].
 
     gguf-py dequantises k-quants but cannot write them, so tests write their own: plain min/max (Q4_K) and
-    absmax (Q6_K) scales, not llama.cpp's search, in ggml's exact block layout.
+    absmax (Q3_K, Q6_K) scales, not llama.cpp's search, in ggml's exact block layout.
     """
     n, k = arr.shape
     x = arr.astype(np.float32).reshape(n * k // 256, 256)
@@ -68,6 +68,21 @@ def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
         hi = (q >> 4).reshape(-1, 2, 4, 32)
         qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)  # [blocks, 2, 32]
         blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8)], axis=1)
+    elif qtype == "Q3_K":
+        sub = x.reshape(-1, 16, 16)
+        amax = np.abs(sub).max(-1)
+        d = (amax.max(-1, keepdims=True) / 4 / 31).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.clip(np.nan_to_num(np.round(amax / 4 / d.astype(np.float32))), 0, 31).astype(np.int16)
+            q = np.nan_to_num(np.round(sub / (d.astype(np.float32) * sc)[..., None]))
+        code = (np.clip(q, -4, 3) + 4).astype(np.uint8).reshape(-1, 8, 32)  # [blocks, j, l]: element 32 j + l
+        hmask = ((code >> 2) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(1, dtype=np.uint8)  # bit j of l
+        low = (code & 3).reshape(-1, 2, 4, 32)  # element 32 (4 h + s) + l: bits 2 s of byte 32 h + l
+        qs = (low << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2, dtype=np.uint8).reshape(-1, 64)
+        u = (sc + 32).astype(np.uint8)  # [blocks, 16], 6 bits each
+        lsc = (u[:, :8] & 15) | ((u[:, 8:] & 15) << 4)
+        hsc = ((u >> 4).reshape(-1, 4, 4) << (2 * np.arange(4, dtype=np.uint8))[None, :, None]).sum(1, dtype=np.uint8)
+        blocks = np.concatenate([hmask, qs, lsc, hsc, d.view(np.uint8)], axis=1)
     else:
         raise ValueError(qtype)
     return np.ascontiguousarray(blocks).reshape(n, -1)
@@ -112,7 +127,7 @@ def quantize_iq4_xs(arr: np.ndarray) -> np.ndarray:
 
 
 # byte offsets of the fp16 d (and dmin)
-_D_AT = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
+_D_AT = {"q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
 
 
 def random_k_quant(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, quant.QuantWeight]:
@@ -196,6 +211,18 @@ def write_gguf(
             # whole 256-weight super-blocks falls back as llama-quantize does (Q4_K -> Q5_0, Q6_K -> Q8_0)
             qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight", "blk.0.attn_v.weight") else "Q4_K"
             if arr.shape[-1] % 256:
+                qt = gguf.GGMLQuantizationType.Q8_0 if qtype == "Q6_K" else gguf.GGMLQuantizationType.Q5_0
+                w.add_tensor(gguf_name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+            else:
+                w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
+        elif quantize == "Q3_K_M" and arr.ndim == 2:  # llama.cpp's mix, simplified: Q6_K for the embedding and
+            # output, Q4_K for attn_v and ffn_down, Q3_K elsewhere; rows not whole super-blocks fall back as
+            # llama-quantize does (Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q6_K -> Q8_0)
+            qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight") else \
+                "Q4_K" if (".attn_v." in gguf_name or ".ffn_down." in gguf_name) else "Q3_K"
+            if arr.shape[-1] % 256 and qtype == "Q3_K":
+                w.add_tensor(gguf_name, quantize_iq4_nl(arr), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+            elif arr.shape[-1] % 256:
                 qt = gguf.GGMLQuantizationType.Q8_0 if qtype == "Q6_K" else gguf.GGMLQuantizationType.Q5_0
                 w.add_tensor(gguf_name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
             else:

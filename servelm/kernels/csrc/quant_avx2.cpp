@@ -322,23 +322,26 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
     }
 }
 
-// The k-quants (Q4_K, Q5_K, Q6_K) with x rounded per super-block of 256 and power-of-two sub-scales per block
+// The k-quants (Q3_K, Q4_K, Q5_K, Q6_K) with x rounded per super-block of 256 and power-of-two sub-scales per block
 // (quant_ops' prep_row_i8k, kSubShift), one weight row and R rows of x. A pair of blocks is decoded as in
 // micro_i8 and multiplied by vpmaddubsw; its int16 pair sums are multiplied by vpmaddwd with the blocks' integer
 // scales times x's multipliers 2^(kSubShift - e_j) (vpmullw once per super-block and row of x; Q4_K, Q5_K: the
-// 6-bit scale, the two halves added first; Q6_K: each half's int8 scale) into int32 lanes, over the
-// super-block's four pairs. Per super-block and row of x, also in integers: Q6_K's offset (-32 * the sum of
+// 6-bit scale, the two halves added first; Q3_K, Q6_K: each half's int8 scale) into int32 lanes, over the
+// super-block's four pairs. Per super-block and row of x, also in integers: the offset (Q6_K: -32 * the sum of
 // scaled scale * x's half-block sums of codes) and the minimum term's sum of scaled min * x's block sums (one
 // vpmaddwd each); then one conversion and one fma by d * x's d_fine (and one by dmin * x's d_fine), where one x
 // scale per block had cost a convert, a multiply and an fma per pair of blocks. llama.cpp's q4_K / q6_K x q8_K
 // dot products sum the same way. Bounds (the weights' codes < 64, x's |codes| <= 127, multipliers <= 64): the
 // scaled scales fit int16 (63 * 64, 128 * 64); a lane takes 8 products of a pair sum and a scaled scale per
 // super-block: Q4_K / Q5_K < 8 * 4 * 31 * 127 * 4,032 < 2^29; Q6_K < 8 * 2 * 63 * 127 * 8,192 < 2^30, and its
-// offset < 32 * 2 * 8,192 * 16 * 127 < 2^31 - 2^30: int32 holds them. Above 2^24 a lane's conversion rounds,
+// offset < 32 * 2 * 8,192 * 16 * 127 < 2^31 - 2^30 (Q3_K: codes < 8, |scales| <= 32, far below both): int32
+// holds them. Above 2^24 a lane's conversion rounds,
 // once per 256 weights.
 template <Fmt F, int R>
 static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* bias, float* y) {
   static_assert(Traits<F>::kquant && !Traits<F>::lut, "the k-quants with 6-bit or int8 scales");
+  constexpr int kOffsetShift = Traits<F>::offset == 32 ? 5 : 2;  // the split formats' offsets, powers of two
+  static_assert(!Traits<F>::split || Traits<F>::offset == 1 << kOffsetShift, "split formats: offset 32 or 4");
   const int64_t kb = w.KB, nsb = kb / kSuper, qstride = kb * 16;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -369,9 +372,10 @@ static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, cons
       const __m256i mul = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + 16));
       xs0[r] = _mm256_mullo_epi16(s0, mul);
       xs1[r] = _mm256_mullo_epi16(s1, mul);
-      isum[r] = Traits<F>::split  // the offset 32: -32 * (s0 * x's sum of k 0..15 + s1 * that of k 16..31)
-                    ? _mm256_sub_epi32(_mm256_setzero_si256(),
-                                       _mm256_slli_epi32(_mm256_madd_epi16(_mm256_mullo_epi16(v, mul), bs[r]), 5))
+      // the offset (Q6_K 32, Q3_K 4): -offset * (s0 * x's sum of k 0..15 + s1 * that of k 16..31)
+      isum[r] = Traits<F>::split
+                    ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(
+                                                                   _mm256_mullo_epi16(v, mul), bs[r]), kOffsetShift))
                     : _mm256_setzero_si256();
     }
     const auto pair = [&](auto p_c) {

@@ -19,18 +19,19 @@
 namespace servelm_quant {
 
 // The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
-// Every format is read as 32-weight blocks of integer codes; the k-quants (Q4_K, Q5_K, Q6_K: 256-weight
-// super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py).
+// Every format is read as 32-weight blocks of integer codes; the k-quants (Q3_K, Q4_K, Q5_K, Q6_K: 256-weight
+// super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py; Q3_K's
+// 3-bit codes as nibbles).
 enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8,
-                     IQ4_XS = 9 };
-constexpr int64_t kNumFmts = 10;
+                     IQ4_XS = 9, Q3_K = 10 };
+constexpr int64_t kNumFmts = 11;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 
 // One row of the format table: how a block's integer codes become values.
 //   code = nibble (+ 16 * plane-0 bit) (+ 32 * plane-1 bit) - offset, or q8_0's signed byte;
 //   value = s0 * code (+ s1) for one scale per block, or s0 * code (first 16 codes) and s1 * code (last 16)
-//   for the split formats (Q6_K: a scale per 16 weights), with s0, s1 from `row_scales_ref`.
+//   for the split formats (Q3_K, Q6_K: a scale per 16 weights), with s0, s1 from `row_scales_ref`.
 //   The lookup formats (IQ4_NL, IQ4_XS) map the nibble through kIq4Codes first: code = that table's entry.
 template <Fmt F>
 struct Traits {
@@ -43,13 +44,13 @@ struct Traits {
   static constexpr bool crumbs = F == Q6_K;
   static constexpr bool has_qh = planes > 0;
   // scales derived per super-block (IQ4_XS: d * its 6-bit scale - 32, as the k-quants keep their own)
-  static constexpr bool kquant = F == Q4_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
-  static constexpr bool split = F == Q6_K;
+  static constexpr bool kquant = F == Q3_K || F == Q4_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
+  static constexpr bool split = F == Q3_K || F == Q6_K;  // int8 scales per 16 weights (sc: the two halves')
   // IQ4_NL, IQ4_XS: a nibble indexes a table of 16 int8 values (llama.cpp's kvalues_iq4nl), kept as value + 128
   // so that the int8 kernels' vpdpbusd reads it as an unsigned code (one vpshufb a vector), with the offset 128.
   static constexpr bool lut = F == IQ4_NL || F == IQ4_XS;
   static constexpr int sc_bytes = !kquant ? 0 : F == IQ4_XS ? 1 : 2;  // bytes of sc per block
-  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : lut ? 128 : 0;
+  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : F == Q3_K ? 4 : lut ? 128 : 0;
   static constexpr int payload = nibbles ? 16 : 32;  // bytes of qs per block
 };
 
@@ -66,7 +67,8 @@ inline void dispatch_fmt(Fmt f, Fn&& fn) {
     case Q5_K: fn(std::integral_constant<Fmt, Q5_K>{}); break;
     case Q6_K: fn(std::integral_constant<Fmt, Q6_K>{}); break;
     case IQ4_NL: fn(std::integral_constant<Fmt, IQ4_NL>{}); break;
-    default: fn(std::integral_constant<Fmt, IQ4_XS>{}); break;
+    case IQ4_XS: fn(std::integral_constant<Fmt, IQ4_XS>{}); break;
+    default: fn(std::integral_constant<Fmt, Q3_K>{}); break;
   }
 }
 
@@ -102,8 +104,8 @@ constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 //       block needs;
 //   d, m: fp16 [N, KB] scale and minimum (q4_1, q5_1) of each block; for the k-quants, [N, KB / 8]: the
 //       super-block's d and dmin;
-//   sc: k-quants, [N, KB, 2] per block: Q4_K/Q5_K uint8 (6-bit scale, 6-bit min), Q6_K int8 (scale of the
-//       first 16 weights, of the last 16); IQ4_XS [N, KB, 1] int8 (its 6-bit scale - 32).
+//   sc: k-quants, [N, KB, 2] per block: Q4_K/Q5_K uint8 (6-bit scale, 6-bit min), Q3_K and Q6_K int8 (scale of
+//       the first 16 weights, of the last 16); IQ4_XS [N, KB, 1] int8 (its 6-bit scale - 32).
 struct QWeight {
   const uint8_t* qs;
   const uint16_t* d;
@@ -243,7 +245,7 @@ struct XQ {
   // lanes, or both halves' where a block has one scale; last 16: the high nibbles', split formats).
   const int8_t* q8 = nullptr;
   const int32_t* corr = nullptr;
-  // The k-quants on AVX2 (Q4_K, Q5_K, Q6_K; `super_x` in quant_ops.cpp): x rounded per super-block of 256 with
+  // The k-quants on AVX2 (Q3_K .. Q6_K; `super_x` in quant_ops.cpp): x rounded per super-block of 256 with
   // power-of-two sub-scales (see kSubShift), the codes in the same quad layout (KBp = KB), s one fp32 d_fine per
   // super-block ([M][KB / 8], stride ss: block j's scale is d_fine * 2^(kSubShift - e_j)), and sub int16
   // [M][KB / 8][32]: per super-block, the blocks' sums of codes (k 0..15, k 16..31: words 2j, 2j + 1), then the

@@ -32,7 +32,7 @@ inline bool int8_for(int64_t isa, Fmt f) {
 inline bool q8_panel(int64_t isa, Fmt f) { return f == Q8_0 && (isa == kAvx2I8 || isa == kAvx2); }
 // Whether x is rounded per super-block of 256 (llama.cpp's Q8_K, with power-of-two sub-scales per block: see
 // kSubShift) instead of per block of 32: the k-quants
-// (Q4_K, Q5_K, Q6_K) on AVX2, whose micro-kernel then sums a super-block's scaled blocks in int32 (each block's
+// (Q3_K, Q4_K, Q5_K, Q6_K) on AVX2, whose micro-kernel then sums a super-block's scaled blocks in int32 (each block's
 // dot product times its 6-bit or int8 scale, vpmaddwd) and scales once per 256 weights, where one x scale per
 // block had cost a convert, a multiply and an fma per pair of blocks and row of x
 // (servelm.kernels.quant.activation_block says the same).
