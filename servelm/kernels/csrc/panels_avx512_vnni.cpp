@@ -30,6 +30,8 @@ constexpr int kNp = kPanelRows;  // weight rows per decoded panel
 constexpr bool kPanelsQ8 = false;  // Q8_0 takes the fp32 tiles on this path (the driver's run_any)
 template <Fmt F>
 constexpr int64_t kWidth = 1;  // bytes per code
+template <Fmt F>
+constexpr int64_t kS1 = 1;  // floats of s1 per block (the driver's scale buffer)
 constexpr int kNr = 4;   // weight rows per micro-tile
 constexpr int kR = 3;    // rows of x per micro-tile
 constexpr int64_t kGroupBytes = kGb * kBlock;  // one group of 16 blocks: 8 slices of 64 bytes

@@ -354,7 +354,8 @@ void gemm_avx2_i8(const XQ&, const QWeight&, const float*, float*, int64_t, int6
 // vector's int32 lanes; G = ceil(KB / gb)): codes int8 [M][G][8][gb * 4], slice i of group g holding
 // k 4i..4i+3 of block gb * g + l in bytes 4l..4l+3; per row (stride ss = 2 * G * gb) fp32 s [G * gb] | xsum
 // [G * gb] (d * the sum of the block's codes) and int32 corr [G * gb] | corr1 [G * gb] (-offset * the block's
-// sum of codes; split formats: of its first 16, then of its last 16). Zero past KB.
+// sum of codes; split formats: of its first 16, then of its last 16; the split formats on AVX2, whose x is
+// rounded per super-block: the two half sums as an int16 pair in corr). Zero past KB.
 struct XP {
   const int8_t* q;
   const float* s;

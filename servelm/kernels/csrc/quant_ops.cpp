@@ -262,7 +262,9 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
 
 // One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8 (`super`: as
 // prep_row_i8k, each block's scale its super-block's d * 2^-e), by groups of gb blocks (16 on AVX-512, 8 on AVX2) with
-// lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales | block sums), `corr` [2 * G * gb].
+// lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales | block sums), `corr` [2 * G * gb]: -offset * the
+// block's sum of codes (split formats: of each half, corr | corr1), or with `super` (AVX2's k-quants) for a split
+// format each block's two half sums as an int16 pair (low: k 0..15) in corr.
 void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, bool super,
                     int8_t* q, float* s, int32_t* corr) {
   const int64_t kbg = G * gb;
@@ -291,7 +293,10 @@ void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offse
       lo += code[k];
       hi += code[16 + k];
     }
-    if (split) {
+    if (split && super) {  // AVX2's split formats (panels_avx2.cpp micro_split): the half sums as an int16 pair
+      corr[b] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(lo)) |
+                                     (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+    } else if (split) {
       corr[b] = -offset * lo;
       corr[kbg + b] = -offset * hi;
     } else {
