@@ -109,7 +109,7 @@ def test_row_parallel_split_inside_a_block_is_a_clear_error(fake_tp) -> None:
     with pytest.raises(ConfigError, match="--tp-size 2 splits the 96 inputs of a row-parallel linear .* shards of "
                                           "48, not a multiple of the 32-weight q4_0 block"):
         layer.weight_loader(layer.weight, quant.quantize(torch.randn(64, 96), "q4_0"))
-    for fmt in ("q4_k", "q6_k"):  # k-quants split on whole 256-weight super-blocks only
+    for fmt in ("q3_k", "q4_k", "q6_k"):  # k-quants split on whole 256-weight super-blocks only
         layer = RowParallelLinear(256, 64)
         with pytest.raises(ConfigError, match=f"shards of 128, not a multiple of the 256-weight {fmt} block"):
             layer.weight_loader(layer.weight, _random_k(fmt, 64, 256, seed=1)[1])
@@ -371,6 +371,7 @@ def test_none_untied_gguf_and_hf_folder_keep_no_blocks(tmp_path: Path, tiny_llam
 
 @pytest.mark.parametrize(("gguf_arch", "quantize", "hidden"), [
     ("llama", "Q4_K_M", 256),  # layer 0's qkv in two parts (Q4_K q/k, Q6_K v), a Q6_K tied LM head
+    ("llama", "Q3_K_M", 256),  # every layer's qkv in two parts (Q3_K q/k, Q4_K v), Q3_K gate/up, Q4_K down
     ("qwen2", "Q5_0", 96),  # q/k/v bias, hidden not whole super-blocks
 ])
 def test_fused_decode_layer_gives_the_layer_ops_bits(tmp_path: Path, default_tokenizer_dir: Path, monkeypatch,
