@@ -160,8 +160,8 @@ inline void micro_q8(const uint8_t* wc, const float* s0, const float* s1, int64_
     for (int r = 0; r < R; ++r) out[j][r] = hsum_ps(acc[j][r]);
 }
 
-// The split formats (see kS1): x's corr holds each block's two half sums of codes as an int16 pair (prep_row_panel
-// with `super`, the k-quants' rounding on this path). Bounds (codes < 64, |x codes| <= 127, |scales| <= 128): a
+// The split formats (see kS1): x's corr holds each block's two half sums of codes as an int16 pair
+// (prep_row_panel with `super`, the k-quants' rounding on this path). Bounds (codes < 64, |x codes| <= 127, |scales| <= 128): a
 // pair sum of two slices < 2^15 as below; per lane and group, 2 halves x 2 steps x 2 x 32,004 x 128 plus the
 // offset 32 x 2 x 128 x 2,032 < 2^26: int32 holds it, and its conversion rounds (above 2^24) once per 256 weights.
 template <Fmt F, int R>
@@ -203,8 +203,8 @@ inline void micro_split(const uint8_t* wc, const float* s0, const float* s1, int
       for (int r = 0; r < R; ++r) {  // - offset * (s0 * x's first-half sum + s1 * its second-half sum)
         const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.corr + (i0 + r) * x.ss + gb));
         const __m256i v = _mm256_sub_epi32(ia[r], _mm256_slli_epi32(_mm256_madd_epi16(sc, xs), kShift));
-        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, _mm256_loadu_ps(x.s + (i0 + r) * x.ss + gb)),
-                                    acc[j][r]);
+        const __m256 xsv = _mm256_loadu_ps(x.s + (i0 + r) * x.ss + gb);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, xsv), acc[j][r]);
       }
     }
   }
