@@ -546,7 +546,7 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
     `backend`: a kernel path."""
     if many_rows_scheme(fmt, backend) == "int16":  # Q8_0's int16 panel against the int16 micro-kernel
         return Q8_PANEL_MIN_ROWS
-    if activation_scheme(fmt, backend) != "int8":
+    if many_rows_scheme(fmt, backend) == "fp32":
         return TILES_MIN_ROWS
     if backend == "avx512_vnni_i8":
         return Q6K_PANEL_MIN_ROWS if fmt == "q6_k" else PANEL_MIN_ROWS
@@ -560,6 +560,8 @@ def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
     backend = backend or kernel_backend()
     if fmt == "q8_0" and backend in ("avx2", "avx2_i8"):  # the panel GEMM with the int16 scheme's codes
         return "int16"
+    if backend == "avx2_i8" and block_format(fmt).lut:  # fp32 tiles: see csrc/quant_ops.cpp panel_for
+        return "fp32"
     return "int8" if activation_scheme(fmt, backend) == "int8" else "fp32"
 
 
@@ -570,8 +572,8 @@ def isa_index(backend: str | None = None) -> int:
 
 def activation_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear`'s micro-kernel rounds x for a weight in `fmt` (decode; every row count in deterministic mode):
-    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats; IQ4_NL/IQ4_XS not on avx2_i8:
-    per block of 32, d = amax / 127, vpdpbusd / vpmaddubsw),
+    "int8" (paths avx512_vnni_i8 and avx2_i8, the defaults there, the nibble formats: per block of 32,
+    d = amax / 127, vpdpbusd / vpmaddubsw; IQ4_NL/IQ4_XS on avx2_i8 with their signed table values and vpsignb),
     "int16" (every other kernel path: power-of-two scales, vpdpwssd/vpmaddwd) or "fp32" (the torch path).
     `backend`: a kernel path (default: the process's)."""
     backend = backend or kernel_backend()
@@ -579,9 +581,7 @@ def activation_scheme(fmt: str, backend: str | None = None) -> str:
         return "fp32"
     if backend not in _RUNS_ON or fmt == "q8_0":
         return "int16"
-    # AVX2's vpmaddubsw sums pairs of products in int16: the lookup formats' codes (up to 241) would saturate them,
-    # so they keep the int16 scheme there (csrc/quant_ops.cpp int8_for)
-    return "int16" if backend == "avx2_i8" and block_format(fmt).lut else "int8"
+    return "int8"
 
 
 def activation_block(fmt: str, backend: str | None = None) -> int:

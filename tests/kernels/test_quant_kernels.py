@@ -390,7 +390,7 @@ def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
 
 
 def _int8_cases(formats) -> list[tuple[str, str]]:
-    """(format, path) where the path's micro-kernel takes the int8 scheme (not IQ4_NL on avx2_i8)."""
+    """(format, path) where the path's micro-kernel takes the int8 scheme."""
     return [(f, p) for f in formats for p in INT8_PATHS if quant.activation_scheme(f, p) == "int8"]
 
 
@@ -480,8 +480,9 @@ def test_k_quant_row_and_column_operations(fmt):
         quant.to_gguf(qw)
 
 
-@pytest.mark.parametrize(("fmt", "path"),
-                         _int8_cases([f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS)))
+@pytest.mark.parametrize(("fmt", "path"), [
+    (f, p) for f, p in _int8_cases([f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS))
+    if quant.many_rows_scheme(f, p) == "int8"])
 def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
     """The panel GEMM (many rows on the int8 paths) rounds x to the micro-kernel's int8 codes and sums the same
     exact int32 block products, in another fp32 order: within fp32 rounding of the micro-kernel's rows, over
@@ -510,11 +511,15 @@ def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
         quant.force_backend(None)
 
 
-def test_iq4_nl_keeps_the_int16_scheme_on_avx2():
-    """IQ4_NL's codes (table value + 128, up to 241) would saturate vpmaddubsw's int16 pair sums: on avx2_i8 it
-    takes the int16 micro-kernel and the fp32 tiles; on AVX-512 VNNI the int8 micro-kernel and panel GEMM."""
-    assert quant.activation_scheme("iq4_nl", "avx2_i8") == "int16"
-    assert quant.many_rows_scheme("iq4_nl", "avx2_i8") == "fp32"
-    assert quant.tiles_min_rows("iq4_nl", "avx2_i8") == quant.TILES_MIN_ROWS
-    assert quant.activation_scheme("iq4_nl", "avx512_vnni_i8") == "int8"
-    assert quant.many_rows_scheme("iq4_nl", "avx512_vnni_i8") == "int8"
+def test_lookup_formats_on_avx2_take_the_int8_micro_kernel_and_the_fp32_tiles():
+    """IQ4_NL's and IQ4_XS's unsigned codes (table value + 128, up to 241) would saturate vpmaddubsw's int16 pair
+    sums: on avx2_i8 the micro-kernel multiplies their signed table values by vpsignb'd x instead, per block of
+    32 (the int8 scheme); many rows take the fp32 tiles there. On AVX-512 VNNI the unsigned codes with vpdpbusd,
+    on the micro-kernel and the panel GEMM."""
+    for fmt in ("iq4_nl", "iq4_xs"):
+        assert quant.activation_scheme(fmt, "avx2_i8") == "int8"
+        assert quant.activation_block(fmt, "avx2_i8") == quant.BLOCK
+        assert quant.many_rows_scheme(fmt, "avx2_i8") == "fp32"
+        assert quant.tiles_min_rows(fmt, "avx2_i8") == quant.TILES_MIN_ROWS
+        assert quant.activation_scheme(fmt, "avx512_vnni_i8") == "int8"
+        assert quant.many_rows_scheme(fmt, "avx512_vnni_i8") == "int8"

@@ -372,6 +372,7 @@ def test_none_untied_gguf_and_hf_folder_keep_no_blocks(tmp_path: Path, tiny_llam
 @pytest.mark.parametrize(("gguf_arch", "quantize", "hidden"), [
     ("llama", "Q4_K_M", 256),  # layer 0's qkv in two parts (Q4_K q/k, Q6_K v), a Q6_K tied LM head
     ("llama", "Q3_K_M", 256),  # every layer's qkv in two parts (Q3_K q/k, Q4_K v), Q3_K gate/up, Q4_K down
+    ("llama", "IQ4_XS", 256),  # a lookup format (on AVX2: signed table values, vpsignb)
     ("qwen2", "Q5_0", 96),  # q/k/v bias, hidden not whole super-blocks
 ])
 def test_fused_decode_layer_gives_the_layer_ops_bits(tmp_path: Path, default_tokenizer_dir: Path, monkeypatch,

@@ -21,12 +21,19 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3, kAvx5
 // The ISA an index runs on (the int8 variants on their own).
 inline int64_t base_isa(int64_t isa) { return isa == kAvx512VnniI8 ? kAvx512Vnni : isa == kAvx2I8 ? kAvx2 : isa; }
 inline bool int8_scheme(int64_t isa) { return isa == kAvx512VnniI8 || isa == kAvx2I8; }
-// Whether a weight in format f takes the int8 scheme on path isa: the nibble formats, except the lookup formats
-// on AVX2, whose 8-bit codes (up to 241) would saturate vpmaddubsw's int16 pair sums (2 x 241 x 127 > 32767):
-// they keep the int16 scheme there (servelm.kernels.quant.activation_scheme says the same).
-inline bool int8_for(int64_t isa, Fmt f) {
-  return int8_scheme(isa) && f != Q8_0 && !(isa == kAvx2I8 && fmt_lut(f));
-}
+// Whether a weight in format f takes the int8 scheme on path isa: the nibble formats (servelm.kernels.quant.
+// activation_scheme says the same). The lookup formats on AVX2 take it with their signed table values and
+// vpsignb (quant_avx2.cpp micro_i8), not the unsigned codes (+128, up to 241) that would saturate vpmaddubsw's
+// int16 pair sums; so their x carries no offset correction there (int8_offset).
+inline bool int8_for(int64_t isa, Fmt f) { return int8_scheme(isa) && f != Q8_0; }
+// The offset x's int8 codes are corrected for (prep_row_i8): the format's, except the lookup formats on AVX2.
+inline int int8_offset(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_lut(f) ? 0 : fmt_offset(f); }
+// Whether many rows take the int8 panel GEMM (linear_tiles): the int8 formats, but not the lookup formats on
+// AVX2, which keep the fp32 tiles there: a panel with the micro-kernel's signed path (vpsignb per slice and row
+// of x, each slice's pair sums widened on their own) ran at 1.1-1.2x the tiles' time at 128 x 8192 x 2048
+// (servelm.kernels.quant.many_rows_scheme says the same).
+inline bool panel_for(int64_t isa, Fmt f) { return int8_for(isa, f) && !(isa == kAvx2I8 && fmt_lut(f)); }
+
 // Whether Q8_0's many-rows path is AVX2's panel GEMM with the int16 scheme's codes (panels_avx2.cpp), not fp32
 // tiles (servelm.kernels.quant.many_rows_scheme says the same).
 inline bool q8_panel(int64_t isa, Fmt f) { return f == Q8_0 && (isa == kAvx2I8 || isa == kAvx2); }
@@ -412,7 +419,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   }
   if (int8_for(isa, w.fmt)) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
     const int64_t KBq = (KB + 3) / 4 * 4, quads = KBq / 4;
-    const int off = fmt_offset(w.fmt);
+    const int off = int8_offset(isa, w.fmt);
     // per row: s [KBq] | xsum [KBq] | lane scales [quads * 16] | padding read by the minimum term up to
     // 16-rounded KB
     const int64_t sstride = KBq * 2 + quads * 16 + 16;
@@ -500,7 +507,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     });
     return y;
   }
-  if (int8_for(isa, w.fmt)) {  // the int8 scheme's panel GEMM instead of fp32 tiles
+  if (panel_for(isa, w.fmt)) {  // the int8 scheme's panel GEMM instead of fp32 tiles
     const int64_t gb = isa == kAvx2I8 ? 8 : 16;  // blocks per group: the int32 lanes of a vector
     const int64_t G = (w.KB + gb - 1) / gb, ss = 2 * G * gb;
     at::Tensor xq = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kChar));
