@@ -69,7 +69,7 @@ class BlockFormat:
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
     split: bool = False  # a scale per 16 weights (Q3_K, Q6_K): sc holds the int8 scales of a block's two halves
     # the nibble indexes `IQ4_VALUES` (IQ4_NL, IQ4_XS); the kernels take value + 128 as an unsigned code (offset
-    # 128)
+    # 128), except AVX2's int8 micro-kernel, which takes the signed value (vpsignb)
     lut: bool = False
 
     @property

@@ -351,8 +351,7 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
 // scaled scales fit int16 (63 * 64, 128 * 64); a lane takes 8 products of a pair sum and a scaled scale per
 // super-block: Q4_K / Q5_K < 8 * 4 * 31 * 127 * 4,032 < 2^29; Q6_K < 8 * 2 * 63 * 127 * 8,192 < 2^30, and its
 // offset < 32 * 2 * 8,192 * 16 * 127 < 2^31 - 2^30 (Q3_K: codes < 8, |scales| <= 32, far below both): int32
-// holds them. Above 2^24 a lane's conversion rounds,
-// once per 256 weights.
+// holds them. Above 2^24 a lane's conversion rounds, once per 256 weights.
 template <Fmt F, int R>
 static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const float* bias, float* y) {
   static_assert(Traits<F>::kquant && !Traits<F>::lut, "the k-quants with 6-bit or int8 scales");
