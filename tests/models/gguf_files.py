@@ -217,8 +217,8 @@ def write_gguf(
                 w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
         elif quantize == "Q3_K_M" and arr.ndim == 2:  # llama.cpp's mix, simplified: Q6_K for the embedding and
             # output, Q4_K for attn_v and ffn_down, Q3_K elsewhere; rows not whole super-blocks fall back
-            # (Q4_K -> Q5_0, Q6_K -> Q8_0 as llama-quantize does; Q3_K -> IQ4_NL, as older llama-quantize did:
-            # 11434's writes Q4_0, a format the other mixes here already cover)
+            # as llama-quantize's fallback table says (Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q6_K -> Q8_0; the 11434
+            # build wrote Q4_0 instead of IQ4_NL for the Qwen2.5-0.5B shape's Q3_K_M, a format covered elsewhere)
             qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight") else \
                 "Q4_K" if (".attn_v." in gguf_name or ".ffn_down." in gguf_name) else "Q3_K"
             if arr.shape[-1] % 256 and qtype == "Q3_K":
