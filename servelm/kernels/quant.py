@@ -544,9 +544,10 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
     micro-kernel for `linear_tiles`, the many-rows path: on the int8 paths the int8 panel GEMM for the nibble
     formats, for Q8_0 on AVX2 the panel GEMM with int16 codes, elsewhere the fp32 tiles (`many_rows_scheme`).
     `backend`: a kernel path."""
-    if many_rows_scheme(fmt, backend) == "int16":  # Q8_0's int16 panel against the int16 micro-kernel
+    scheme = many_rows_scheme(fmt, backend)
+    if scheme == "int16":  # Q8_0's int16 panel against the int16 micro-kernel
         return Q8_PANEL_MIN_ROWS
-    if many_rows_scheme(fmt, backend) == "fp32":
+    if scheme == "fp32":
         return TILES_MIN_ROWS
     if backend == "avx512_vnni_i8":
         return Q6K_PANEL_MIN_ROWS if fmt == "q6_k" else PANEL_MIN_ROWS

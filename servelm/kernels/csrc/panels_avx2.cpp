@@ -160,10 +160,28 @@ inline void micro_q8(const uint8_t* wc, const float* s0, const float* s1, int64_
     for (int r = 0; r < R; ++r) out[j][r] = hsum_ps(acc[j][r]);
 }
 
+// kStep consecutive slices of a panel row's weights (kSlice bytes apart).
+template <int kStep>
+inline void load_slices(const uint8_t* wp, __m256i (&wv)[kStep]) {
+  for (int t = 0; t < kStep; ++t) wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + t * kSlice));
+}
+
+// Those slices against x's at xp: vpmaddubsw's int16 pair sums, added in int16 (the callers bound kStep so that
+// they cannot saturate).
+template <int kStep>
+inline __m256i slice_pair_sums(const __m256i (&wv)[kStep], const int8_t* xp) {
+  __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
+  for (int t = 1; t < kStep; ++t)
+    p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[t], _mm256_loadu_si256(
+                                                            reinterpret_cast<const __m256i*>(xp + t * kSlice))));
+  return p;
+}
+
 // The split formats (see kS1): x's corr holds each block's two half sums of codes as an int16 pair
-// (prep_row_panel with `super`, the k-quants' rounding on this path). Bounds (codes < 64, |x codes| <= 127, |scales| <= 128): a
-// pair sum of two slices < 2^15 as below; per lane and group, 2 halves x 2 steps x 2 x 32,004 x 128 plus the
-// offset 32 x 2 x 128 x 2,032 < 2^26: int32 holds it, and its conversion rounds (above 2^24) once per 256 weights.
+// (prep_row_panel with `super`, the k-quants' rounding on this path). Bounds (codes < 64, |x codes| <= 127,
+// |scales| <= 128): a pair sum of two slices < 2^15 as below; per lane and group, 2 halves x 2 steps x 2 x
+// 32,004 x 128 plus the offset 32 x 2 x 128 x 2,032 < 2^26: int32 holds it, and its conversion rounds (above
+// 2^24) once per 256 weights.
 template <Fmt F, int R>
 inline void micro_split(const uint8_t* wc, const float* s0, const float* s1, int64_t G, const XP& x, int64_t i0,
                         float out[kNr][kR]) {
@@ -185,15 +203,10 @@ inline void micro_split(const uint8_t* wc, const float* s0, const float* s1, int
       for (int h = 0; h < 2; ++h) {
         const __m256i sc = _mm256_loadu_si256(scj + h);
         for (int i = 4 * h; i < 4 * h + 4; i += kStep) {
-          const uint8_t* wp = wc + j * wstride + g * kGroupBytes + i * kSlice;
           __m256i wv[kStep];
-          for (int t = 0; t < kStep; ++t) wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + t * kSlice));
+          load_slices<kStep>(wc + j * wstride + g * kGroupBytes + i * kSlice, wv);
           for (int r = 0; r < R; ++r) {
-            const int8_t* xp = x.q + (i0 + r) * wstride + g * kGroupBytes + i * kSlice;
-            __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
-            for (int t = 1; t < kStep; ++t)
-              p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[t], _mm256_loadu_si256(
-                                                                      reinterpret_cast<const __m256i*>(xp + t * kSlice))));
+            const __m256i p = slice_pair_sums<kStep>(wv, x.q + (i0 + r) * wstride + g * kGroupBytes + i * kSlice);
             ia[r] = _mm256_add_epi32(ia[r], _mm256_madd_epi16(p, sc));
           }
         }
@@ -237,15 +250,10 @@ inline void micro_one(const uint8_t* wc, const float* s0, const float* s1, int64
     constexpr int kStep = Traits<F>::planes <= 1 ? 4 : 2;
     for (int i = 0; i < 8; i += kStep) {
       for (int j = 0; j < kNr; ++j) {
-        const uint8_t* wp = wc + j * wstride + g * kGroupBytes + i * kSlice;
         __m256i wv[kStep];
-        for (int t = 0; t < kStep; ++t) wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + t * kSlice));
+        load_slices<kStep>(wc + j * wstride + g * kGroupBytes + i * kSlice, wv);
         for (int r = 0; r < R; ++r) {
-          const int8_t* xp = x.q + (i0 + r) * wstride + g * kGroupBytes + i * kSlice;
-          __m256i p = _mm256_maddubs_epi16(wv[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp)));
-          for (int t = 1; t < kStep; ++t)
-            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(wv[t], _mm256_loadu_si256(
-                                                                    reinterpret_cast<const __m256i*>(xp + t * kSlice))));
+          const __m256i p = slice_pair_sums<kStep>(wv, x.q + (i0 + r) * wstride + g * kGroupBytes + i * kSlice);
           ia[j][r] = _mm256_add_epi32(ia[j][r], _mm256_madd_epi16(p, ones));
         }
       }
