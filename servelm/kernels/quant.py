@@ -126,6 +126,12 @@ PLANES_INT8_TILES_MIN_ROWS = 12
 # Q8_0 on AVX2 (both paths): its int16 panel GEMM passes the int16 micro-kernel at 12-24 rows at the 1B's shapes
 # (Zen 3; docs/measurements/quant-kernels.md), where the fp32 tiles it replaces had been even with it to ~32.
 Q8_PANEL_MIN_ROWS = 16
+# Q8_0 on AVX-512 VNNI: its int16 panel GEMM (vpdpwssd) against the int16 micro-kernel, 2-core Zen 4: at the
+# 1B's shapes 0.83-0.95x the time at 12-16 rows, 0.48-0.53x at 64-128 (280-300 GFLOP/s; the fp32 tiles it
+# replaces ran at 180-187 and were slower than the micro-kernel below 32-64 rows, from 10). At K = 576 (the
+# default model) it is behind until ~32 rows (1.2x at 16: 18 blocks fill two groups of 16, and each panel's
+# decoding weighs as much as its products there), 0.88x at 64.
+Q8_VNNI_PANEL_MIN_ROWS = 16
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -542,11 +548,12 @@ def kernel_backend() -> str:
 def tiles_min_rows(fmt: str, backend: str) -> int:
     """Rows of x from which `linear` (outside deterministic mode) and `fused.decode_layer` leave the integer
     micro-kernel for `linear_tiles`, the many-rows path: on the int8 paths the int8 panel GEMM for the nibble
-    formats, for Q8_0 on AVX2 the panel GEMM with int16 codes, elsewhere the fp32 tiles (`many_rows_scheme`).
+    formats, for Q8_0 on AVX2 and AVX-512 VNNI the panel GEMM with int16 codes, elsewhere the fp32 tiles
+    (`many_rows_scheme`).
     `backend`: a kernel path."""
     scheme = many_rows_scheme(fmt, backend)
     if scheme == "int16":  # Q8_0's int16 panel against the int16 micro-kernel
-        return Q8_PANEL_MIN_ROWS
+        return Q8_VNNI_PANEL_MIN_ROWS if backend.startswith("avx512") else Q8_PANEL_MIN_ROWS
     if scheme == "fp32":
         return TILES_MIN_ROWS
     if backend == "avx512_vnni_i8":
@@ -556,11 +563,12 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
 
 def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
     """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
-    its rows not bitwise the micro-kernel's), "int16" (Q8_0 on AVX2: the panel GEMM with the int16 scheme's codes,
-    csrc/panels_avx2.cpp) or "fp32" (weights dequantised into tiles, fp32 FMA)."""
+    its rows not bitwise the micro-kernel's), "int16" (Q8_0 on AVX2 and AVX-512 VNNI: the panel GEMM with the int16
+    scheme's codes, csrc/panels_avx2.cpp, csrc/panels_avx512_vnni.cpp) or "fp32" (weights dequantised into tiles,
+    fp32 FMA)."""
     backend = backend or kernel_backend()
-    if fmt == "q8_0" and backend in ("avx2", "avx2_i8"):  # the panel GEMM with the int16 scheme's codes
-        return "int16"
+    if fmt == "q8_0" and backend in ("avx2", "avx2_i8", "avx512_vnni", "avx512_vnni_i8"):
+        return "int16"  # the panel GEMM with the int16 scheme's codes (vpmaddwd, vpdpwssd)
     if backend == "avx2_i8" and block_format(fmt).lut:  # fp32 tiles: see csrc/quant_ops.cpp panel_for
         return "fp32"
     return "int8" if activation_scheme(fmt, backend) == "int8" else "fp32"

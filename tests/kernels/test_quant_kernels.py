@@ -480,14 +480,12 @@ def test_k_quant_row_and_column_operations(fmt):
         quant.to_gguf(qw)
 
 
-@pytest.mark.parametrize(("fmt", "path"), [
-    (f, p) for f, p in _int8_cases([f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS))
-    if quant.many_rows_scheme(f, p) == "int8"])
-def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
-    """The panel GEMM (many rows on the int8 paths) rounds x to the micro-kernel's int8 codes and sums the same
-    exact int32 block products, in another fp32 order: within fp32 rounding of the micro-kernel's rows, over
-    N not a multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows
-    (K = 4,608 from 70 rows) and outer blocks (500 rows), blocks of very different scales, and a bias."""
+def _check_panel_against_micro_kernel(fmt: str, path: str) -> None:
+    """The many-rows path (`linear_tiles`: a panel GEMM) against the micro-kernel's rows (`invariant=True`): the
+    same codes of x and exact int32 block products, in another fp32 order, so within fp32 rounding; over N not a
+    multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows (K = 4,608
+    from 70 rows) and outer blocks (500 rows), blocks of very different scales, and a bias. From
+    `tiles_min_rows` rows `linear` takes it."""
     g = torch.Generator().manual_seed(21)
     shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in SUPER else ((67, 70), (13, 575), (40, 4608))
     try:
@@ -509,6 +507,23 @@ def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
                     assert torch.equal(quant.linear(x, qw, bias), many)
     finally:
         quant.force_backend(None)
+
+
+@pytest.mark.parametrize(("fmt", "path"), [
+    (f, p) for f, p in _int8_cases([f for f in quant.QUANTIZE_FORMATS if f != "q8_0"] + list(K_QUANTS))
+    if quant.many_rows_scheme(f, p) == "int8"])
+def test_int8_panel_gemm_matches_the_micro_kernel(fmt, path):
+    """The int8 panel GEMM (many rows on the int8 paths) rounds x to the micro-kernel's int8 codes."""
+    _check_panel_against_micro_kernel(fmt, path)
+
+
+@pytest.mark.parametrize("path", [p for p in KERNELS if quant.many_rows_scheme("q8_0", p) == "int16"])
+def test_q8_0_panel_gemm_matches_the_int16_micro_kernel(path):
+    """Q8_0's many rows on AVX2 and AVX-512 VNNI take a panel GEMM with the int16 scheme's codes of x, exactly
+    its micro-kernel's (vpmaddwd / vpdpwssd), not fp32 tiles: int8 codes of x had cost the default model 1.8-2.4
+    points of teacher-forced top-1 agreement with fp32 in --quantization int8 (tests/models/test_quantized_quality)."""
+    assert quant.activation_scheme("q8_0", path) == "int16"
+    _check_panel_against_micro_kernel("q8_0", path)
 
 
 def test_lookup_formats_on_avx2_take_the_int8_micro_kernel_and_the_fp32_tiles():

@@ -34,9 +34,10 @@ inline int int8_offset(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_lut(f)
 // (servelm.kernels.quant.many_rows_scheme says the same).
 inline bool panel_for(int64_t isa, Fmt f) { return int8_for(isa, f) && !(isa == kAvx2I8 && fmt_lut(f)); }
 
-// Whether Q8_0's many-rows path is AVX2's panel GEMM with the int16 scheme's codes (panels_avx2.cpp), not fp32
-// tiles (servelm.kernels.quant.many_rows_scheme says the same).
-inline bool q8_panel(int64_t isa, Fmt f) { return f == Q8_0 && (isa == kAvx2I8 || isa == kAvx2); }
+// Whether Q8_0's many-rows path is a panel GEMM with the int16 scheme's codes (panels_avx2.cpp, and
+// panels_avx512_vnni.cpp's vpdpwssd), not fp32 tiles (servelm.kernels.quant.many_rows_scheme says the same).
+inline bool q8_panel_avx512(int64_t isa) { return isa == kAvx512Vnni || isa == kAvx512VnniI8; }
+inline bool q8_panel(int64_t isa, Fmt f) { return f == Q8_0 && (isa == kAvx2 || isa == kAvx2I8 || q8_panel_avx512(isa)); }
 // Whether x is rounded per super-block of 256 (llama.cpp's Q8_K, with power-of-two sub-scales per block: see
 // kSubShift) instead of per block of 32: the k-quants
 // (Q3_K, Q4_K, Q5_K, Q6_K) on AVX2, whose micro-kernel then sums a super-block's scaled blocks in int32 (each block's
@@ -313,10 +314,9 @@ void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offse
 }
 
 // One row of x for Q8_0's panel GEMM (q8_panel): prep_row's int16 codes and power-of-two scales (the decode
-// kernel's), block b's k 2i, 2i + 1 at slice i (32 bytes), bytes 4l..4l+3 of its group of 8 (l = b % 8):
-// `q` int16 [G * 8 * 32], `s` [G * 8]. Zero past KB.
-void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int16_t* q, float* s) {
-  constexpr int64_t gb = 8;
+// kernel's), block b's k 2i, 2i + 1 at slice i (gb * 4 bytes), bytes 4l..4l+3 of its group of gb (l = b % gb;
+// gb 8 on AVX2, 16 on AVX-512): `q` int16 [G * gb * 32], `s` [G * gb]. Zero past KB.
+void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16_t* q, float* s) {
   thread_local std::vector<int16_t> natural;
   natural.resize(KB * kBlock);
   std::memset(q, 0, G * gb * kBlock * sizeof(int16_t));
@@ -490,20 +490,24 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
-  if (q8_panel(isa, w.fmt)) {  // Q8_0 on AVX2: the panel GEMM with int16 codes instead of fp32 tiles
-    const int64_t G = (w.KB + 7) / 8, ss = G * 8;
-    at::Tensor xq = at::empty({M, G * 8 * kBlock}, x.options().dtype(at::kShort));
+  if (q8_panel(isa, w.fmt)) {  // Q8_0: the panel GEMM with int16 codes instead of fp32 tiles
+    const bool wide = q8_panel_avx512(isa);
+    const int64_t gb = wide ? 16 : 8;  // blocks per group: the int32 lanes of a vector
+    const int64_t G = (w.KB + gb - 1) / gb, ss = G * gb;
+    at::Tensor xq = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kShort));
     at::Tensor xs = at::empty({M, ss}, x.options());
     const float* xp = x.data_ptr<float>();
     int16_t* qp = xq.data_ptr<int16_t>();
     float* sp = xs.data_ptr<float>();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t i = m0; i < m1; ++i) prep_row_panel_i16(xp + i * kp, w.KB, G, qp + i * G * 8 * kBlock, sp + i * ss);
+      for (int64_t i = m0; i < m1; ++i)
+        prep_row_panel_i16(xp + i * kp, w.KB, G, gb, qp + i * G * gb * kBlock, sp + i * ss);
     });
     const XP xv{reinterpret_cast<const int8_t*>(qp), sp, nullptr, M, G, ss};
     float* yp = y.data_ptr<float>();
+    const auto fn = wide ? panels_avx512_vnni_i8 : panels_avx2_i8;
     at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t t0, int64_t t1) {
-      panels_avx2_i8(xv, w, bp, yp, t0 * kPanelRows, std::min(N, t1 * kPanelRows));
+      fn(xv, w, bp, yp, t0 * kPanelRows, std::min(N, t1 * kPanelRows));
     });
     return y;
   }
