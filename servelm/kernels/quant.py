@@ -132,6 +132,10 @@ Q8_PANEL_MIN_ROWS = 16
 # default model) it is behind until ~32 rows (1.2x at 16: 18 blocks fill two groups of 16, and each panel's
 # decoding weighs as much as its products there), 0.88x at 64.
 Q8_VNNI_PANEL_MIN_ROWS = 16
+# ... and only from K = 1,024: at K = 384 (all-MiniLM-L6-v2 in int8) and 576 (the default model) 16-block groups
+# carry 25-44% padding, and the fp32 tiles ran at 0.9-1.4x the panel's speed at 256-1,024 rows (at K = 1,536:
+# 0.75-0.95x), so shorter rows keep the tiles there (csrc/quant_ops.cpp q8_panel).
+Q8_VNNI_PANEL_MIN_K = 1024
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 
 
@@ -561,12 +565,14 @@ def tiles_min_rows(fmt: str, backend: str) -> int:
     return PLANES_INT8_TILES_MIN_ROWS if block_format(fmt).planes else INT8_TILES_MIN_ROWS
 
 
-def many_rows_scheme(fmt: str, backend: str | None = None) -> str:
+def many_rows_scheme(fmt: str, backend: str | None = None, k: int | None = None) -> str:
     """How `linear_tiles` computes (from `tiles_min_rows` rows): "int8" (the panel GEMM: the int8 scheme's codes,
     its rows not bitwise the micro-kernel's), "int16" (Q8_0 on AVX2 and AVX-512 VNNI: the panel GEMM with the int16
     scheme's codes, csrc/panels_avx2.cpp, csrc/panels_avx512_vnni.cpp) or "fp32" (weights dequantised into tiles,
-    fp32 FMA)."""
+    fp32 FMA). `k`: the weight's K, where it matters (Q8_0 on AVX-512 VNNI: `Q8_VNNI_PANEL_MIN_K`)."""
     backend = backend or kernel_backend()
+    if fmt == "q8_0" and backend in ("avx512_vnni", "avx512_vnni_i8") and k is not None and k < Q8_VNNI_PANEL_MIN_K:
+        return "fp32"
     if fmt == "q8_0" and backend in ("avx2", "avx2_i8", "avx512_vnni", "avx512_vnni_i8"):
         return "int16"  # the panel GEMM with the int16 scheme's codes (vpmaddwd, vpdpwssd)
     if backend == "avx2_i8" and block_format(fmt).lut:  # fp32 tiles: see csrc/quant_ops.cpp panel_for

@@ -98,7 +98,7 @@ def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: 
     bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
     scheme = quant.activation_scheme(qw.fmt)
     if scheme != "fp32" and x.shape[0] >= quant.tiles_min_rows(qw.fmt, quant.kernel_backend()):
-        scheme = quant.many_rows_scheme(qw.fmt)  # the many-rows path: fp32 tiles or the int8 panel GEMM
+        scheme = quant.many_rows_scheme(qw.fmt, k=x.shape[-1])  # the many-rows path: fp32 tiles or a panel GEMM
     if scheme != "fp32":  # x rounded to codes: half a step an element
         bound = bound + (_code_step(x.double(), scheme, quant.activation_block(qw.fmt)) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
@@ -480,14 +480,14 @@ def test_k_quant_row_and_column_operations(fmt):
         quant.to_gguf(qw)
 
 
-def _check_panel_against_micro_kernel(fmt: str, path: str) -> None:
+def _check_panel_against_micro_kernel(fmt: str, path: str, shapes: tuple[tuple[int, int], ...] = ()) -> None:
     """The many-rows path (`linear_tiles`: a panel GEMM) against the micro-kernel's rows (`invariant=True`): the
     same codes of x and exact int32 block products, in another fp32 order, so within fp32 rounding; over N not a
     multiple of the panel or micro-tile, K not a multiple of 16 blocks, x in several L2 blocks of rows (K = 4,608
     from 70 rows) and outer blocks (500 rows), blocks of very different scales, and a bias. From
     `tiles_min_rows` rows `linear` takes it."""
     g = torch.Generator().manual_seed(21)
-    shapes = ((67, 256), (13, 768), (40, 4608)) if fmt in SUPER else ((67, 70), (13, 575), (40, 4608))
+    shapes = shapes or (((67, 256), (13, 768), (40, 4608)) if fmt in SUPER else ((67, 70), (13, 575), (40, 4608)))
     try:
         quant.force_backend(path)
         for n, k in shapes:
@@ -523,7 +523,11 @@ def test_q8_0_panel_gemm_matches_the_int16_micro_kernel(path):
     its micro-kernel's (vpmaddwd / vpdpwssd), not fp32 tiles: int8 codes of x had cost the default model 1.8-2.4
     points of teacher-forced top-1 agreement with fp32 in --quantization int8 (tests/models/test_quantized_quality)."""
     assert quant.activation_scheme("q8_0", path) == "int16"
-    _check_panel_against_micro_kernel("q8_0", path)
+    shapes = ((67, 70), (13, 575), (40, 4608)) if path.startswith("avx2") else ((67, 1024), (13, 1100), (40, 4608))
+    assert all(quant.many_rows_scheme("q8_0", path, k) == "int16" for _, k in shapes)
+    _check_panel_against_micro_kernel("q8_0", path, shapes)
+    if path.startswith("avx512"):  # shorter rows keep the fp32 tiles there (quant.Q8_VNNI_PANEL_MIN_K)
+        assert quant.many_rows_scheme("q8_0", path, 576) == "fp32"
 
 
 def test_lookup_formats_on_avx2_take_the_int8_micro_kernel_and_the_fp32_tiles():

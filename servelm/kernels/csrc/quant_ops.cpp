@@ -36,8 +36,12 @@ inline bool panel_for(int64_t isa, Fmt f) { return int8_for(isa, f) && !(isa == 
 
 // Whether Q8_0's many-rows path is a panel GEMM with the int16 scheme's codes (panels_avx2.cpp, and
 // panels_avx512_vnni.cpp's vpdpwssd), not fp32 tiles (servelm.kernels.quant.many_rows_scheme says the same).
+// On AVX-512 VNNI from K = 1,024 (32 blocks): at K = 384 and 576 the groups of 16 blocks carry 25-44% padding and
+// the fp32 tiles were as fast or faster (servelm.kernels.quant.Q8_VNNI_PANEL_MIN_K says the same).
 inline bool q8_panel_avx512(int64_t isa) { return isa == kAvx512Vnni || isa == kAvx512VnniI8; }
-inline bool q8_panel(int64_t isa, Fmt f) { return f == Q8_0 && (isa == kAvx2 || isa == kAvx2I8 || q8_panel_avx512(isa)); }
+inline bool q8_panel(int64_t isa, Fmt f, int64_t KB) {
+  return f == Q8_0 && (isa == kAvx2 || isa == kAvx2I8 || (q8_panel_avx512(isa) && KB >= 32));
+}
 // Whether x is rounded per super-block of 256 (llama.cpp's Q8_K, with power-of-two sub-scales per block: see
 // kSubShift) instead of per block of 32: the k-quants
 // (Q3_K, Q4_K, Q5_K, Q6_K) on AVX2, whose micro-kernel then sums a super-block's scaled blocks in int32 (each block's
@@ -490,7 +494,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
   else if (base_isa(isa) == kAvx2) fn = tiles_gemm_avx2;
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
-  if (q8_panel(isa, w.fmt)) {  // Q8_0: the panel GEMM with int16 codes instead of fp32 tiles
+  if (q8_panel(isa, w.fmt, w.KB)) {  // Q8_0: the panel GEMM with int16 codes instead of fp32 tiles
     const bool wide = q8_panel_avx512(isa);
     const int64_t gb = wide ? 16 : 8;  // blocks per group: the int32 lanes of a vector
     const int64_t G = (w.KB + gb - 1) / gb, ss = G * gb;
