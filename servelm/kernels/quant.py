@@ -129,12 +129,12 @@ Q8_PANEL_MIN_ROWS = 16
 # Q8_0 on AVX-512 VNNI: its int16 panel GEMM (vpdpwssd) against the int16 micro-kernel, 2-core Zen 4: at the
 # 1B's shapes 0.83-0.95x the time at 12-16 rows, 0.48-0.53x at 64-128 (280-300 GFLOP/s; the fp32 tiles it
 # replaces ran at 180-187 and were slower than the micro-kernel below 32-64 rows, from 10). At K = 576 (the
-# default model) it is behind until ~32 rows (1.2x at 16: 18 blocks fill two groups of 16, and each panel's
-# decoding weighs as much as its products there), 0.88x at 64.
+# default model's LM head) the panel was behind the micro-kernel until ~32 rows (1.2x its time at 16: 18 blocks
+# fill two groups of 16) and the fp32 tiles more so (1.3x at 16), so the tiles now start at 16 rows there too.
 Q8_VNNI_PANEL_MIN_ROWS = 16
-# ... and only from K = 1,024: at K = 384 (all-MiniLM-L6-v2 in int8) and 576 (the default model) 16-block groups
-# carry 25-44% padding, and the fp32 tiles ran at 0.9-1.4x the panel's speed at 256-1,024 rows (at K = 1,536:
-# 0.75-0.95x), so shorter rows keep the tiles there (csrc/quant_ops.cpp q8_panel).
+# ... and the panel only from K = 1,024: at K = 384 (all-MiniLM-L6-v2 in int8) and 576 (the default model)
+# 16-block groups carry 25-44% padding, and the fp32 tiles ran at 0.9-1.4x the panel's speed at 256-1,024 rows
+# (at K = 1,536: 0.75-0.95x), so shorter rows keep the tiles there (csrc/quant_ops.cpp q8_panel).
 Q8_VNNI_PANEL_MIN_K = 1024
 FORCE_ENV = "SERVELM_QUANT_KERNEL"  # one of _ISA_NAMES or "torch": one path
 

@@ -1,6 +1,6 @@
 // The int8 scheme's GEMM for many rows of x (prompts, large decode batches) on AVX-512 VNNI, every nibble
-// format (and Q8_0 with int16 codes: kPanelsQ8 below): x's int8 codes and scales are exactly the decode kernel's (quant_ops' quant_block_i8), only the
-// order of the fp32 steps differs, so its rows are not bitwise the micro-kernel's (deterministic mode never
+// format (and Q8_0 with int16 codes: kPanelsQ8 below): x's int8 codes and scales are exactly the decode
+// kernel's (quant_ops' quant_block_i8), only the order of the fp32 steps differs, so its rows are not bitwise the micro-kernel's (deterministic mode never
 // takes it, as it never took the fp32 tiles this replaces there).
 //
 // Why a layout of its own: the decode kernel (quant_avx512.inc micro_i8) reads a quad of blocks per step and
