@@ -16,8 +16,8 @@ top-1 agreement 97.07% / 97.46% / 97.85% (auto / auto_int / int8); with SERVELM_
 -0.16% and 97.07% / 97.26% for auto / auto_int. On a Zen 3 EPYC (AVX2 only, avx2_i8), 2026-12-04, with Q8_0's
 prompts on the int16 panel: top-1 agreement 97.85% / 97.07% / 97.85% (int8 x codes on Q8_0 had given int8
 95.41%: quant.many_rows_scheme keeps int16 codes for it). On a Zen 4 EPYC (AVX-512 VNNI), 2026-12-04, with Q8_0's
-prompts on the AVX-512 int16 panel: +0.15% / -0.09% / -0.26%, 97.07% / 97.46% / 97.85% (int8 x codes there: int8
-96.09%).
+prompts on the AVX-512 int16 panel (K >= 1,024; the fp32 tiles below): +0.15% / -0.09% / -0.26%, 97.07% / 97.46% /
+97.85% (int8 x codes on Q8_0 there: int8 96.09%).
 """
 
 from __future__ import annotations
