@@ -571,9 +571,9 @@ def many_rows_scheme(fmt: str, backend: str | None = None, k: int | None = None)
     scheme's codes, csrc/panels_avx2.cpp, csrc/panels_avx512_vnni.cpp) or "fp32" (weights dequantised into tiles,
     fp32 FMA). `k`: the weight's K, where it matters (Q8_0 on AVX-512 VNNI: `Q8_VNNI_PANEL_MIN_K`)."""
     backend = backend or kernel_backend()
-    if fmt == "q8_0" and backend in ("avx512_vnni", "avx512_vnni_i8") and k is not None and k < Q8_VNNI_PANEL_MIN_K:
-        return "fp32"
     if fmt == "q8_0" and backend in ("avx2", "avx2_i8", "avx512_vnni", "avx512_vnni_i8"):
+        if backend.startswith("avx512") and k is not None and k < Q8_VNNI_PANEL_MIN_K:
+            return "fp32"
         return "int16"  # the panel GEMM with the int16 scheme's codes (vpmaddwd, vpdpwssd)
     if backend == "avx2_i8" and block_format(fmt).lut:  # fp32 tiles: see csrc/quant_ops.cpp panel_for
         return "fp32"
