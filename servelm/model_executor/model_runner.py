@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from servelm.config import ConfigError, ServerArgs
+from servelm.cpu_memory import configure_malloc
 from servelm.kernels import quant
 from servelm.layers.kernel_choice import KernelChoice, freeze_kernels
 from servelm.layers.sampler import sample
@@ -97,6 +98,8 @@ class ModelRunner:
         self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
+        if self.device.type == "cpu":  # activations' freed memory stays for the next step (cpu_memory.py)
+            configure_malloc()
         self.model_path = model_path_or_default(server_args.model_path)
         source = source or load_model_source(self.model_path)
         self.config = config = source.config
