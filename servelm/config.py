@@ -39,7 +39,7 @@ class ServerArgs:
                       choices=["auto", "float32", "bfloat16", "float16"])
     device: str = _opt("auto", "Device to run on.", choices=["auto", "cpu", "cuda"])
     quantization: str = _opt("auto", "Weight format on CPU. auto: a GGUF keeps its Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/"
-                             "IQ4_NL/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS blocks at their own bits (other types dequantised "
+                             "IQ4_NL/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_XS blocks at their own bits (other types dequantised "
                              "to fp32), a HF folder "
                              "stays fp32; none: dequantise everything to fp32; int8 (= q8_0), q8_0, q4_0, q4_1, "
                              "q5_0, q5_1: quantise every linear and the embedding to these blocks of 32 at load "

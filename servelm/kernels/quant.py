@@ -1,12 +1,12 @@
-"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the k-quants Q3_K,
-Q4_K, Q5_K, Q6_K and IQ4_XS) kept at their own bits, and the matmul over them.
+"""Quantised weights on CPU: ggml's block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, and the k-quants Q2_K,
+Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS) kept at their own bits, and the matmul over them.
 
 A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight blocks in the layout the
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's and IQ4_XS's nibbles index
   llama.cpp's table of 16 int8 values (`IQ4_VALUES`); Q3_K's 3-bit codes (its two low bits from `qs`, the third
-  from `hmask`) widened to a nibble each;
+  from `hmask`) widened to a nibble each; Q2_K's 2-bit codes + 4 as nibbles (read as Q3_K's, offset 4);
 * `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
   4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
   kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
@@ -15,16 +15,19 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
   the 12-byte field), Q6_K's int8 scales of the block's two halves, Q3_K's the same (its 6-bit scales - 32,
-  unpacked from the 12-byte field); IQ4_XS's one, [N, KB, 1]: its 6-bit scale - 32 as int8 (unpacked from
-  scales_l/scales_h).
+  unpacked from the 12-byte field), Q2_K's the same (its 4-bit scales); IQ4_XS's one, [N, KB, 1]: its 6-bit
+  scale - 32 as int8 (unpacked from scales_l/scales_h);
+* `mn`: Q2_K's 4-bit minimums of each block's two halves, uint8 [N, KB, 2] (`m` holds its super-blocks' dmin).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
 file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to
 bytes), except Q3_K: 1.33x, its 3-bit codes held as nibbles (146 bytes a super-block against the file's 110), so
-that every kernel reads it as it reads the other nibble formats; dequantising it to fp32 had taken 9.3x.
+that every kernel reads it as it reads the other nibble formats (dequantising it to fp32 had taken 9.3x), and
+Q2_K: 1.95x (164 bytes against 84; fp32 had taken 12.2x), read by every kernel as Q3_K, its minimum term added
+after the kernel (csrc/quant_ops.cpp `split_min_for`).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
-`(d * sc) * (q - 4)` for Q3_K,
+`(d * sc) * (q - 4)` for Q3_K, `(d * sc) * q - dmin * mn` for Q2_K,
 `d * IQ4_VALUES[q]` for IQ4_NL, `(d * (sc - 32)) * IQ4_VALUES[q]` for IQ4_XS, fp32).
 `linear` runs the C++ kernel in `csrc/` (AVX-512 with or without VNNI / AVX2 / scalar, chosen at run time,
 built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
@@ -68,6 +71,10 @@ class BlockFormat:
     crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
     split: bool = False  # a scale per 16 weights (Q3_K, Q6_K): sc holds the int8 scales of a block's two halves
+    # a minimum per 16 weights as well (Q2_K): mn holds the 4-bit minimums of a block's two halves, m the
+    # super-block's dmin; the kernels read the rest as Q3_K's (its codes + 4 against the offset 4) and add the
+    # minimum term after (csrc/quant_ops.cpp split_min_for)
+    split_min: bool = False
     # the nibble indexes `IQ4_VALUES` (IQ4_NL, IQ4_XS); the kernels take value + 128 as an unsigned code (offset
     # 128), except AVX2's int8 micro-kernel, which takes the signed value (vpsignb)
     lut: bool = False
@@ -96,6 +103,7 @@ _REGISTRY = {f.name: f for f in (
     BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8, 16, offset=128, lut=True),
     BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 9, 16, offset=128, super_block=True, lut=True),
     BlockFormat("q3_k", GGMLQuantizationType.Q3_K, 10, 16, offset=4, super_block=True, split=True),
+    BlockFormat("q2_k", GGMLQuantizationType.Q2_K, 11, 16, offset=4, super_block=True, split=True, split_min=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
 # `quantize` writes these (gguf-py's reference rounding; it has none for the k-quants or IQ4_NL)
@@ -151,6 +159,7 @@ class QuantWeight:
     qh: torch.Tensor | None = None
     qh2: torch.Tensor | None = None
     sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -158,15 +167,15 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """(qs, d, m, qh, qh2, sc): the row-indexed fields, in the order of the constructor and the kernel op."""
-        return self.qs, self.d, self.m, self.qh, self.qh2, self.sc
+        """(qs, d, m, qh, qh2, sc, mn): the row-indexed fields, in the order of the constructor and the kernel op."""
+        return self.qs, self.d, self.m, self.qh, self.qh2, self.sc, self.mn
 
     def replace(self, fn, shape: tuple[int, int]) -> QuantWeight:
         """The same format with `fn(field, kind)` applied to each present field: kind "block" (a column per
         32-weight block), "super" (d and m of the k-quants: one per super-block) or "plane" (qh, qh2: plane words,
         or Q6_K's crumbs, per quad of blocks)."""
         sb = block_format(self.fmt).super_block
-        kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block")
+        kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block", "block")
         fields = [None if t is None else fn(t, kind) for t, kind in zip(self.tensors(), kinds, strict=True)]
         return QuantWeight(self.fmt, shape, *fields)
 
@@ -301,6 +310,16 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
             raw = blocks[:, 16:48].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             qh = _quad_planes(_words((raw & 1).reshape(n, kb, 32)))
         return QuantWeight(fmt, (n, k), _nibbles(codes), half(0), half(2), qh, None, scales)
+    if fmt == "q2_k":  # scales [16] (4-bit scale | 4-bit min << 4, one per 16 weights), qs [64], fp16 d, dmin
+        # element 32 j + l (block j, l 0..31): two bits at bit 2 (j % 4) of qs byte 32 (j // 4) + l, as Q3_K's
+        # low bits; value d * sc * q - dmin * mn. Held as Q3_K is (nibbles, offset 4: code q + 4), so the kernels
+        # read (d * sc) * (code - 4) as Q3_K's, and the minimums per 16 weights apart (mn).
+        low = blocks[:, 16:80].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+        codes = ((low.reshape(b, 8, 32) & 3) + 4).reshape(n, kb, 32)
+        raw = blocks[:, :16].reshape(n, kb, 2)
+        sc = torch.from_numpy(np.ascontiguousarray(raw & 15))  # 0..15: the same bytes as int8
+        mn = torch.from_numpy(np.ascontiguousarray(raw >> 4))
+        return QuantWeight(fmt, (n, k), _nibbles(codes), half(80), half(82), None, None, sc, mn)
     if fmt == "q3_k":  # hmask [32], qs [64], 12 bytes of 6-bit scales, fp16 d (gguf.quants.Q3_K's order)
         # element 32 j + l of a super-block (block j, l 0..31): two low bits at bit 2 (j % 4) of qs byte
         # 32 (j // 4) + l, the third at bit j of hmask byte l; code = their 3 bits, value d * (sc - 32) * (code - 4)
@@ -356,7 +375,7 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     return QuantWeight(fmt, (n, k), qs, d, m, qh)
 
 
-_FIELDS = ("qs", "d", "m", "qh", "qh2", "sc")
+_FIELDS = ("qs", "d", "m", "qh", "qh2", "sc", "mn")
 _HUGE = 2 << 20  # a transparent huge page
 # Fields of at least this size stay where they are: numpy advises huge pages for arrays from 4 MB on, and
 # packing the Llama-3.2-1B shape's (all of its 813 MB) gained nothing measurable and took 1.75 s of its start-up.
@@ -448,7 +467,7 @@ _BITS = torch.arange(32, dtype=torch.int32)
 def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included: exactly gguf's values."""
     fields = qw.tensors() if rows is None else tuple(None if t is None else t[rows] for t in qw.tensors())
-    qs, d, m, qh, qh2, sc = fields
+    qs, d, m, qh, qh2, sc, mn = fields
     f = block_format(qw.fmt)
     if qw.fmt == "q8_0":
         q = qs.to(torch.int32)
@@ -472,7 +491,11 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         return (q * per_block * sc.view(torch.int8).to(torch.float32)).flatten(-2)
     if f.split:  # Q3_K, Q6_K: an int8 scale per 16 weights: d * scale, exact in fp32
         scale = per_block * sc.view(torch.int8).to(torch.float32).repeat_interleave(16, dim=-1)
-        return (q * scale).flatten(-2)
+        if not f.split_min:
+            return (q * scale).flatten(-2)
+        # Q2_K: minus dmin * its 4-bit minimum per 16 weights (exact in fp32), one rounding as gguf's
+        dmin = m.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1).unsqueeze(-1)
+        return (q * scale - dmin * mn.to(torch.float32).repeat_interleave(16, dim=-1)).flatten(-2)
     dmin = m.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1).unsqueeze(-1)
     scale, minimum = per_block * sc[..., :1].to(torch.float32), dmin * sc[..., 1:].to(torch.float32)
     return (q * scale - minimum).flatten(-2)
@@ -609,7 +632,7 @@ def activation_block(fmt: str, backend: str | None = None) -> int:
     d per 256 alone had cost 1.3-1.5 points of top-1 agreement on a Q4_K_M file of the default model's weights).
     The panel GEMM rounds x the same way."""
     backend = backend or kernel_backend()
-    return 256 if backend == "avx2_i8" and fmt in ("q3_k", "q4_k", "q5_k", "q6_k") else BLOCK
+    return 256 if backend == "avx2_i8" and fmt in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k") else BLOCK
 
 
 def batch_invariant(backend: str | None = None) -> bool:

@@ -1,8 +1,8 @@
 """`--quantization`: which weights stay (or become) ggml blocks (`servelm.kernels.quant`), which are fp32.
 
-* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q3_K,
-  Q4_K, Q5_K, Q6_K, IQ4_XS: `quant.FORMATS`) at its own bits, without an fp32 round trip (the super-blocks' bits
-  rearranged into 32-weight blocks); other types (F16, Q2_K, other IQ*, ...) are dequantised to fp32
+* auto: a GGUF keeps every 2-D tensor whose type the kernel reads (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K,
+  Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS: `quant.FORMATS`) at its own bits, without an fp32 round trip (the super-blocks'
+  bits rearranged into 32-weight blocks); other types (F16, other IQ*, ...) are dequantised to fp32
   as with `none`, with one log line per type saying what that costs. A HF folder stays fp32.
 * none: everything computes in fp32 from the dequantised weights (the behaviour before quantised kernels).
   One exception in storage, not in values: a GGUF's tied embedding in a kernel format (`lookup_formats`)

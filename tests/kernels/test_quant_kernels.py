@@ -3,6 +3,7 @@ against a plain dequantise-then-matmul reference; ggml block compatibility; batc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -88,8 +89,7 @@ def _int8_reference(x: torch.Tensor, qw: quant.QuantWeight) -> torch.Tensor:
 
 def _without_min(qw: quant.QuantWeight) -> quant.QuantWeight:
     """The same weight with its minimums zeroed (scale * code alone)."""
-    return quant.QuantWeight(qw.fmt, (qw.shape[0], qw.blocks * quant.BLOCK), qw.qs, qw.d, torch.zeros_like(qw.m),
-                             qw.qh, qw.qh2, qw.sc)
+    return dataclasses.replace(qw, shape=(qw.shape[0], qw.blocks * quant.BLOCK), m=torch.zeros_like(qw.m))
 
 
 def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> None:
@@ -135,7 +135,7 @@ def _check_identity(qw: quant.QuantWeight, k: int) -> None:
     weight)."""
     eye, want = torch.eye(k), quant.dequantize(qw).T
     # the terms' sizes: |scale * code| + |min| (a minimum adds one more rounding after the product)
-    if quant.block_format(qw.fmt).has_min:
+    if quant.block_format(qw.fmt).has_min or quant.block_format(qw.fmt).split_min:
         scaled = quant.dequantize(_without_min(qw))[:, : qw.shape[1]]
         terms = (scaled.abs() + (quant.dequantize(qw) - scaled).abs()).T
     elif quant.activation_block(qw.fmt) > quant.BLOCK and qw.qh is not None:
@@ -282,7 +282,7 @@ def test_from_gguf_real_blocks_of_the_default_model():
 def test_bad_input_is_a_clear_error():
     _, qw = _weight(8, 64, "q4_1")
     with pytest.raises(ValueError, match="unknown quantisation format"):
-        quant.from_gguf(np.zeros((2, 18), np.uint8), "q2_k", (2, 32))
+        quant.from_gguf(np.zeros((2, 18), np.uint8), "iq2_xxs", (2, 32))
     with pytest.raises(ValueError, match="bytes per row"):
         quant.from_gguf(np.zeros((8, 39), np.uint8), "q4_1", (8, 64))
     with pytest.raises(ValueError, match="features"):
@@ -354,14 +354,15 @@ SUPER = tuple(f for f in K_QUANTS if quant.block_format(f).super_block)
 def test_k_quant_blocks_hold_ggufs_values_in_the_files_bytes(fmt):
     """The k-quants (and IQ4_NL) are kept at their own bits: rearranged into 32-weight blocks, they dequantise to
     gguf's own values bit for bit (the nibble, bit-plane, scale and lookup layouts) in at most 1.03x the file's
-    bytes (Q3_K: 146 bytes a super-block against 110, its 3-bit codes held as nibbles)."""
+    bytes (Q3_K: 146 bytes a super-block against 110, its 3-bit codes held as nibbles; Q2_K: 164 against 84, its
+    2-bit codes as nibbles, a scale and a minimum byte per 16 weights)."""
     n, k = 7, 768
     raw, qw = _random_k(fmt, n, k, seed=8)
     assert qw.fmt == fmt and qw.shape == (n, k)
     expected = gguf_dequantize(raw, GGML[fmt]).reshape(n, k)
     assert np.array_equal(quant.dequantize(qw).numpy(), expected)
     # Q6_K, IQ4_NL 1.0x; Q4_K/Q5_K unpack 12 scale bytes to 16
-    assert raw.nbytes <= qw.nbytes <= (146 / 110 if fmt == "q3_k" else 1.03) * raw.nbytes
+    assert raw.nbytes <= qw.nbytes <= {"q3_k": 146 / 110, "q2_k": 164 / 84}.get(fmt, 1.03) * raw.nbytes
     ids = torch.tensor([[0, 6], [3, 3]])
     assert torch.equal(quant.embedding(ids, qw), quant.dequantize(qw)[ids])
 

@@ -33,9 +33,9 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
-    """Q3_K, Q4_K or Q6_K blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row].
+    """Q2_K, Q3_K, Q4_K or Q6_K blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row].
 
-    gguf-py dequantises k-quants but cannot write them, so tests write their own: plain min/max (Q4_K) and
+    gguf-py dequantises k-quants but cannot write them, so tests write their own: plain min/max (Q2_K, Q4_K) and
     absmax (Q3_K, Q6_K) scales, not llama.cpp's search, in ggml's exact block layout.
     """
     n, k = arr.shape
@@ -56,6 +56,20 @@ def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
                                  (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
         qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-block 2c low nibbles, 2c + 1 high ones
         blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=1)
+    elif qtype == "Q2_K":  # scales [16] (4-bit scale | 4-bit min << 4), qs [64], fp16 d, dmin
+        sub = x.reshape(-1, 16, 16)
+        lo = np.minimum(sub.min(-1), 0.0)
+        span = (sub.max(-1) - lo) / 3
+        d = (span.max(-1, keepdims=True) / 15).astype(np.float16)
+        dmin = (-lo.min(-1, keepdims=True) / 15).astype(np.float16)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            sc = np.clip(np.nan_to_num(np.round(span / d.astype(np.float32))), 0, 15).astype(np.uint8)
+            mn = np.clip(np.nan_to_num(np.round(-lo / dmin.astype(np.float32))), 0, 15).astype(np.uint8)
+            step = (d.astype(np.float32) * sc)[..., None]
+            q = np.nan_to_num(np.round((sub + (dmin.astype(np.float32) * mn)[..., None]) / step))
+        code = np.clip(q, 0, 3).astype(np.uint8).reshape(-1, 2, 4, 32)  # element 32 (4 h + s) + l: bits 2 s of
+        qs = (code << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2, dtype=np.uint8)  # 32 h + l
+        blocks = np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), d.view(np.uint8), dmin.view(np.uint8)], axis=1)
     elif qtype == "Q6_K":
         sub = x.reshape(-1, 16, 16)
         amax = np.abs(sub).max(-1)
@@ -127,7 +141,8 @@ def quantize_iq4_xs(arr: np.ndarray) -> np.ndarray:
 
 
 # byte offsets of the fp16 d (and dmin)
-_D_AT = {"q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,), "iq4_xs": (0,)}
+_D_AT = {"q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "iq4_nl": (0,),
+         "iq4_xs": (0,)}
 
 
 def random_k_quant(fmt: str, n: int, k: int, seed: int) -> tuple[np.ndarray, quant.QuantWeight]:
@@ -215,13 +230,15 @@ def write_gguf(
                 w.add_tensor(gguf_name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
             else:
                 w.add_tensor(gguf_name, quantize_k(arr, qtype), raw_dtype=gguf.GGMLQuantizationType[qtype])
-        elif quantize == "Q3_K_M" and arr.ndim == 2:  # llama.cpp's mix, simplified: Q6_K for the embedding and
-            # output, Q4_K for attn_v and ffn_down, Q3_K elsewhere; rows not whole super-blocks fall back
-            # as llama-quantize's fallback table says (Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q6_K -> Q8_0; the 11434
-            # build wrote Q4_0 instead of IQ4_NL for the Qwen2.5-0.5B shape's Q3_K_M, a format covered elsewhere)
+        elif quantize in ("Q3_K_M", "Q2_K") and arr.ndim == 2:  # llama.cpp's mixes, simplified: Q6_K for the
+            # embedding and output, Q4_K (Q2_K: Q3_K) for attn_v and ffn_down, Q3_K (Q2_K) elsewhere; rows not whole
+            # super-blocks fall back as llama-quantize's fallback table says (Q2_K, Q3_K -> IQ4_NL, Q4_K -> Q5_0,
+            # Q6_K -> Q8_0; the 11434 build wrote Q4_0 instead of IQ4_NL for the Qwen2.5-0.5B shape's Q3_K_M, a
+            # format covered elsewhere)
+            low, more = ("Q3_K", "Q4_K") if quantize == "Q3_K_M" else ("Q2_K", "Q3_K")
             qtype = "Q6_K" if gguf_name in ("token_embd.weight", "output.weight") else \
-                "Q4_K" if (".attn_v." in gguf_name or ".ffn_down." in gguf_name) else "Q3_K"
-            if arr.shape[-1] % 256 and qtype == "Q3_K":
+                more if (".attn_v." in gguf_name or ".ffn_down." in gguf_name) else low
+            if arr.shape[-1] % 256 and qtype in ("Q2_K", "Q3_K"):
                 w.add_tensor(gguf_name, quantize_iq4_nl(arr), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
             elif arr.shape[-1] % 256:
                 qt = gguf.GGMLQuantizationType.Q8_0 if qtype == "Q6_K" else gguf.GGMLQuantizationType.Q5_0

@@ -261,6 +261,7 @@ def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, a
     # hidden 96 (not whole super-blocks, as Qwen2.5-0.5B's 896): the fallbacks Q5_0 and Q8_0, Q4_K for ffn_down
     ("Q4_K_M", 96, {"q5_0": 6, "q4_k": 2, "q8_0": 2}, ["q5_0", "q8_0"]),
     ("Q3_K_M", 256, {"q3_k": 6, "q4_k": 4, "q6_k": 1}, ["q3_k", "q4_k"]),
+    ("Q2_K", 256, {"q2_k": 6, "q3_k": 4, "q6_k": 1}, ["q2_k", "q3_k"]),
     # the fallbacks IQ4_NL, Q5_0 and Q8_0; ffn_down's 512 stay
     ("Q3_K_M", 96, {"iq4_nl": 6, "q4_k": 2, "q5_0": 2, "q8_0": 1}, ["iq4_nl", "q5_0"]),
     ("IQ4_XS", 256, {"iq4_xs": 9}, None),
@@ -269,7 +270,8 @@ def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, a
 def test_k_quant_gguf_is_served_from_blocks(tmp_path: Path, default_tokenizer_dir: Path, quantize: str,
                                             hidden: int, formats: dict, v0: list | None) -> None:
     """A Q4_K_M-style file (Q4_K matrices, Q6_K tied embedding and layer 0's v, and llama-quantize's fallbacks
-    for rows that are not whole super-blocks), a Q3_K_M-style one (Q3_K, Q4_K v and down, Q6_K embedding), or
+    for rows that are not whole super-blocks), a Q3_K_M-style one (Q3_K, Q4_K v and down, Q6_K embedding), a
+    Q2_K-style one (Q2_K, Q3_K v and down, Q6_K embedding), or
     an IQ4_XS one (IQ4_NL fallbacks): `auto` keeps every tensor
     at its own bits (layer 0's qkv holds one weight per run of a format), in at most 1.05x the file's bytes,
     and computes what `none` computes from gguf's own dequantisation of the same file, to fp32 rounding."""

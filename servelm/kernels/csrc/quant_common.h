@@ -22,9 +22,12 @@ namespace servelm_quant {
 // Every format is read as 32-weight blocks of integer codes; the k-quants (Q3_K, Q4_K, Q5_K, Q6_K: 256-weight
 // super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py; Q3_K's
 // 3-bit codes as nibbles).
+// Q2_K exists only at the ops' boundary (quant_ops.cpp `checked`): its codes are held + 4 as nibbles with
+// int8 scales per 16 weights, which is Q3_K's layout (offset 4), so every kernel reads it as Q3_K; its minimums
+// per 16 weights (mn) are added after the kernel (quant_ops.cpp split_min_for).
 enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8,
-                     IQ4_XS = 9, Q3_K = 10 };
-constexpr int64_t kNumFmts = 11;
+                     IQ4_XS = 9, Q3_K = 10, Q2_K = 11 };
+constexpr int64_t kNumFmts = 12;
 constexpr int64_t kBlock = 32;
 constexpr int64_t kSuper = 8;  // 32-weight blocks per k-quant super-block
 
@@ -68,7 +71,7 @@ inline void dispatch_fmt(Fmt f, Fn&& fn) {
     case Q6_K: fn(std::integral_constant<Fmt, Q6_K>{}); break;
     case IQ4_NL: fn(std::integral_constant<Fmt, IQ4_NL>{}); break;
     case IQ4_XS: fn(std::integral_constant<Fmt, IQ4_XS>{}); break;
-    default: fn(std::integral_constant<Fmt, Q3_K>{}); break;
+    default: fn(std::integral_constant<Fmt, Q3_K>{}); break;  // Q3_K, and Q2_K read as Q3_K
   }
 }
 

@@ -332,11 +332,12 @@ void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16
   }
 }
 
-// The weight view after checking the op's arguments.
+// The weight view after checking the op's arguments; for Q2_K the view is Q3_K's (the kernels read it as such)
+// and *mnp its minimums per 16 weights (otherwise nullptr).
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                 const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
-                const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
-                const float** bp) {
+                const std::optional<at::Tensor>& sc, const std::optional<at::Tensor>& mn, int64_t fmt,
+                const std::optional<at::Tensor>& bias, const float** bp, const uint8_t** mnp) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
   TORCH_CHECK(fmt >= 0 && fmt < kNumFmts, "unknown format ", fmt);
@@ -351,7 +352,13 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N &&
               d.size(1) == scales, "d layout");
   const auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  TORCH_CHECK(present(m) == fmt_has_min(f), "m is given exactly for the formats with a minimum");
+  const bool split_min = f == Q2_K;
+  TORCH_CHECK(present(m) == (fmt_has_min(f) || split_min), "m is given exactly for the formats with a minimum");
+  TORCH_CHECK(present(mn) == split_min, "mn is given exactly for Q2_K");
+  if (split_min)
+    TORCH_CHECK(mn->is_contiguous() && mn->element_size() == 1 && mn->dim() == 3 && mn->size(0) == N &&
+                mn->size(1) == KB && mn->size(2) == 2, "mn layout: uint8 [N, KB, 2]");
+  *mnp = split_min ? static_cast<const uint8_t*>(mn->data_ptr()) : nullptr;
   if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
   const int planes = fmt_planes(f);
   const bool crumbs = fmt_crumbs(f);  // Q6_K: one field of crumbs, four words a quad
@@ -376,7 +383,226 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   };
   return QWeight{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                  present(m) ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, words(qh), words(qh2),
-                 kq ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, N, KB, f};
+                 kq ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, N, KB, split_min ? Q3_K : f};
+}
+
+// Q2_K's minimum term: value = (d * sc) * q - dmin * mn per 16 weights; the kernel computed the first part (as
+// Q3_K), this subtracts sum over the halves h of dmin * mn_h * (x's sum over h), each output still one fixed
+// sequence of operations on its own rows (batch-invariant). x's sums are those of the codes the path rounded x to
+// (as quant_block_i8's for the other formats' minimums, and llama.cpp's Q8_K sums): then a row's error is
+// sum(w * e) (e: x's rounding), where x's own sums left sum(d * sc * q * e), q in 0..3 not centred: on the
+// tiny Q2_K model of tests/models/test_quantized_layers.py the int8 scheme's logits were 4.3% off fp32's with
+// x's own sums, 2.6% with the rounded ones (Q3_K_M's 2.8%).
+enum class HalfSums { kRaw, kInt16, kInt8, kInt8Super };
+
+// xs [M][2 KB]: x's sums over each 16 weights, of the values as `how` rounds them: kRaw x itself (the fp32 tiles),
+// kInt16 prep_row's power-of-two codes, kInt8 quant_block_i8's, kInt8Super quant_super_i8's (super_x).
+void half_sums(const float* x, int64_t M, int64_t KB, HalfSums how, float* xs) {
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    std::vector<int16_t> q16(how == HalfSums::kInt16 ? KB * kBlock : 0);
+    std::vector<float> s16(how == HalfSums::kInt16 ? KB : 0);
+    for (int64_t i = m0; i < m1; ++i) {
+      const float* xr = x + i * KB * kBlock;
+      float* out = xs + i * 2 * KB;
+      if (how == HalfSums::kRaw) {
+        for (int64_t h = 0; h < 2 * KB; ++h) {
+          float t = 0.0f;
+          for (int j = 0; j < 16; ++j) t += xr[h * 16 + j];
+          out[h] = t;
+        }
+      } else if (how == HalfSums::kInt16) {
+        prep_row(xr, KB, KB, kNatural, q16.data(), s16.data(), nullptr, nullptr);
+        for (int64_t h = 0; h < 2 * KB; ++h) {
+          int32_t t = 0;
+          for (int j = 0; j < 16; ++j) t += q16[h * 16 + j];
+          out[h] = s16[h / 2] * static_cast<float>(t);
+        }
+      } else if (how == HalfSums::kInt8) {
+        for (int64_t b = 0; b < KB; ++b) {
+          int8_t code[kBlock] = {0};
+          float scale, sum;
+          quant_block_i8(xr + b * kBlock, code, &scale, &sum);
+          int32_t lo = 0, hi = 0;
+          for (int j = 0; j < 16; ++j) lo += code[j], hi += code[16 + j];
+          out[2 * b] = scale * static_cast<float>(lo);
+          out[2 * b + 1] = scale * static_cast<float>(hi);
+        }
+      } else {
+        for (int64_t sb = 0; sb < KB / kSuper; ++sb) {
+          int8_t code[kSuper * kBlock];
+          int32_t sums[kSuper];
+          int e[kSuper];
+          const float d = quant_super_i8(xr + sb * kSuper * kBlock, code, sums, e);
+          for (int j = 0; j < kSuper; ++j) {
+            int32_t lo = 0, hi = 0;
+            for (int k = 0; k < 16; ++k) lo += code[j * kBlock + k], hi += code[j * kBlock + 16 + k];
+            const float step = d / static_cast<float>(1 << e[j]);  // a power of two: exact
+            out[(sb * kSuper + j) * 2] = step * static_cast<float>(lo);
+            out[(sb * kSuper + j) * 2 + 1] = step * static_cast<float>(hi);
+          }
+        }
+      }
+    }
+  });
+}
+
+// y[i, n] -= sum over super-blocks of (dmin * mn_h) . xs[i, h] for rows [n0, n1): 16 lanes (a super-block's
+// halves), one fixed lane tree at the end. Tiles of NR weight rows x R rows of x: each (dmin * mn) vector serves
+// R rows of x, and NR x R independent chains of fmas (one row and one chain had been bound by the fma latency,
+// 70 cycles a weight row at K = 2,048). AVX-512 or AVX2 (two 8-lane halves) or portable, by the path's ISA.
+#if defined(__x86_64__) || defined(_M_X64)
+// (dmin * mn) of row n + j, super-block sb: from the weights, or (vt) from a table of them made once for many
+// rows of x (then one load where it took four ops)
+template <bool kTable>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 split_min_v(const uint8_t* mn, const float* dmin,
+                                                                              const float* vt, int64_t KB, int64_t n,
+                                                                              int j, int64_t sb) {
+  const int64_t nsb = KB / kSuper;
+  if constexpr (kTable) return _mm512_loadu_ps(vt + (j * nsb + sb) * 16);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                           reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2)))),
+                       _mm512_set1_ps(dmin[j * nsb + sb]));
+}
+
+template <int NR, int R, bool kTable>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void split_min_tile_avx512(
+    const float* xs, const QWeight& w, const uint8_t* mn, const float* dmin, const float* vt, float* y, int64_t n,
+    int64_t i0) {
+  const int64_t KB = w.KB, nsb = KB / kSuper;
+  __m512 acc[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb)
+    for (int j = 0; j < NR; ++j) {
+      const __m512 v = split_min_v<kTable>(mn, dmin, vt, KB, n, j, sb);
+      for (int r = 0; r < R; ++r)
+        acc[j][r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xs + (i0 + r) * 2 * KB + sb * 16), acc[j][r]);
+    }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) y[(i0 + r) * w.N + n + j] -= _mm512_reduce_add_ps(acc[j][r]);
+}
+
+template <int NR, bool kTable>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void split_min_rows_avx512(
+    const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n, float* dmin, float* vt) {
+  const int64_t nsb = w.KB / kSuper;
+  for (int j = 0; j < NR; ++j)
+    for (int64_t sb = 0; sb < nsb; sb += 16) {  // the rows' dmin as fp32, 16 at a time (exact conversion)
+      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, nsb - sb)) - 1u);
+      _mm512_storeu_ps(dmin + j * nsb + sb, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, w.m + (n + j) * nsb + sb)));
+    }
+  if constexpr (kTable)
+    for (int j = 0; j < NR; ++j)
+      for (int64_t sb = 0; sb < nsb; ++sb)
+        _mm512_storeu_ps(vt + (j * nsb + sb) * 16, split_min_v<false>(mn, dmin, vt, w.KB, n, j, sb));
+  for (int64_t i = 0; i < M; i += 4) {
+    switch (std::min<int64_t>(4, M - i)) {
+      case 4: split_min_tile_avx512<NR, 4, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
+      case 3: split_min_tile_avx512<NR, 3, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
+      case 2: split_min_tile_avx512<NR, 2, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
+      default: split_min_tile_avx512<NR, 1, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
+    }
+  }
+}
+
+void split_min_avx512(const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n0,
+                      int64_t n1) {
+  const int64_t nsb = w.KB / kSuper;
+  thread_local std::vector<float> dmin, vt;
+  dmin.resize(4 * nsb + 16);
+  const bool table = M > 4;  // the (dmin * mn) vectors made once a weight row for more than one tile of x's rows
+  if (table) vt.resize(4 * nsb * 16);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    table ? split_min_rows_avx512<4, true>(xs, M, w, mn, y, n, dmin.data(), vt.data())
+          : split_min_rows_avx512<4, false>(xs, M, w, mn, y, n, dmin.data(), nullptr);
+  for (; n < n1; ++n)
+    table ? split_min_rows_avx512<1, true>(xs, M, w, mn, y, n, dmin.data(), vt.data())
+          : split_min_rows_avx512<1, false>(xs, M, w, mn, y, n, dmin.data(), nullptr);
+}
+
+template <int NR, int R>
+__attribute__((target("avx2,fma"))) inline void split_min_tile_avx2(const float* xs, const QWeight& w,
+                                                                    const uint8_t* mn, const float* dmin,
+                                                                    float* y, int64_t n, int64_t i0) {
+  const int64_t KB = w.KB, nsb = KB / kSuper;
+  __m256 a0[NR][R], a1[NR][R];
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) a0[j][r] = a1[j][r] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb)
+    for (int j = 0; j < NR; ++j) {
+      const __m128i raw =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2));
+      const __m256 dm = _mm256_set1_ps(dmin[j * nsb + sb]);
+      const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), dm);
+      const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))), dm);
+      for (int r = 0; r < R; ++r) {
+        const float* xp = xs + (i0 + r) * 2 * KB + sb * 16;
+        a0[j][r] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xp), a0[j][r]);
+        a1[j][r] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(xp + 8), a1[j][r]);
+      }
+    }
+  for (int j = 0; j < NR; ++j)
+    for (int r = 0; r < R; ++r) {
+      const __m256 s8 = _mm256_add_ps(a0[j][r], a1[j][r]);
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      y[(i0 + r) * w.N + n + j] -= _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    }
+}
+
+template <int NR>
+__attribute__((target("avx2,fma,f16c"))) void split_min_rows_avx2(const float* xs, int64_t M, const QWeight& w,
+                                                                  const uint8_t* mn, float* y, int64_t n,
+                                                                  float* dmin) {
+  const int64_t nsb = w.KB / kSuper;
+  for (int j = 0; j < NR; ++j) {
+    int64_t sb = 0;
+    for (; sb + 8 <= nsb; sb += 8)  // the rows' dmin as fp32 (F16C's exact conversion)
+      _mm256_storeu_ps(dmin + j * nsb + sb, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                reinterpret_cast<const __m128i*>(w.m + (n + j) * nsb + sb))));
+    for (; sb < nsb; ++sb) dmin[j * nsb + sb] = half_to_float(w.m[(n + j) * nsb + sb]);
+  }
+  for (int64_t i = 0; i < M; i += 2) {
+    if (M - i >= 2) split_min_tile_avx2<NR, 2>(xs, w, mn, dmin, y, n, i);
+    else split_min_tile_avx2<NR, 1>(xs, w, mn, dmin, y, n, i);
+  }
+}
+
+void split_min_avx2(const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n0,
+                    int64_t n1) {
+  thread_local std::vector<float> dmin;
+  dmin.resize(2 * (w.KB / kSuper) + 8);
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) split_min_rows_avx2<2>(xs, M, w, mn, y, n, dmin.data());
+  for (; n < n1; ++n) split_min_rows_avx2<1>(xs, M, w, mn, y, n, dmin.data());
+}
+#endif
+
+void split_min_scalar(const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n0,
+                      int64_t n1) {
+  const int64_t KB = w.KB, nsb = KB / kSuper;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = 0; i < M; ++i) {
+      float acc = 0.0f;
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const float dm = half_to_float(w.m[n * nsb + sb]);
+        float t = 0.0f;
+        for (int h = 0; h < 16; ++h)
+          t += (dm * static_cast<float>(mn[(n * KB + sb * kSuper) * 2 + h])) * xs[i * 2 * KB + sb * 16 + h];
+        acc += t;
+      }
+      y[i * w.N + n] -= acc;
+    }
+}
+
+using SplitMinFn = void (*)(const float*, int64_t, const QWeight&, const uint8_t*, float*, int64_t, int64_t);
+SplitMinFn split_min_for(int64_t isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (base_isa(isa) >= kAvx512) return split_min_avx512;
+  if (base_isa(isa) == kAvx2) return split_min_avx2;
+#endif
+  return split_min_scalar;
 }
 
 // Scratch of the calling thread for x's prepared codes and scales (slot 0-2), reused call after call: `linear` had
@@ -395,14 +621,36 @@ T* scratch(int slot, int64_t count) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                   const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
-                  const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
-                  int64_t isa) {
+                  const std::optional<at::Tensor>& sc, const std::optional<at::Tensor>& mn, int64_t fmt,
+                  const std::optional<at::Tensor>& bias, int64_t isa) {
   const float* bp;
-  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
+  const uint8_t* mnp;
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, &bp, &mnp);
   const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const GemmFn fn = gemm_for(isa);
+  // Q2_K: the minimum term right after the kernel, on the same thread's rows (x's half sums: its own scratch)
+  at::Tensor xs_t;
+  if (mnp) {
+    xs_t = at::empty({M, 2 * KB}, x.options());
+    const HalfSums how = super_x(isa, w.fmt) ? HalfSums::kInt8Super
+                         : int8_for(isa, w.fmt) ? HalfSums::kInt8 : HalfSums::kInt16;
+    half_sums(x.data_ptr<float>(), M, KB, how, xs_t.data_ptr<float>());
+  }
+  const float* xs = mnp ? xs_t.data_ptr<float>() : nullptr;
+  const SplitMinFn minfn = split_min_for(isa);
+  const auto over_rows = [&](auto&& gemm) {
+    over_weight_rows(N, [&](int64_t n0, int64_t n1) {
+      if (mnp) {  // the minimums of these rows into L2 while the kernel runs (the kernel does not read them)
+        for (int64_t at = n0 * KB * 2; at < n1 * KB * 2; at += 64) __builtin_prefetch(mnp + at, 0, 2);
+        for (int64_t at = n0 * (KB / kSuper) * 2; at < n1 * (KB / kSuper) * 2; at += 64)
+          __builtin_prefetch(reinterpret_cast<const uint8_t*>(w.m) + at, 0, 2);
+      }
+      gemm(n0, n1);
+      if (mnp) minfn(xs, M, w, mnp, y.data_ptr<float>(), n0, n1);
+    });
+  };
   const bool wide = base_isa(isa) >= kAvx512, has_m = fmt_has_min(w.fmt);
 #if defined(__x86_64__) || defined(_M_X64)
   if (super_x(isa, w.fmt)) {  // the k-quants on AVX2: x rounded per super-block (see super_x)
@@ -418,7 +666,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     xv.q8 = qp;
     xv.sub = bp16;
     float* yp = y.data_ptr<float>();
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) { gemm_avx2_i8(xv, w, bp, yp, n0, n1); });
+    over_rows([&](int64_t n0, int64_t n1) { gemm_avx2_i8(xv, w, bp, yp, n0, n1); });
     return y;
   }
   if (int8_for(isa, w.fmt)) {  // the int8 scheme (q8_0 keeps int16: bandwidth-bound there)
@@ -445,7 +693,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     xv.corr = cp;
     float* yp = y.data_ptr<float>();
     const GemmFn gi8 = isa == kAvx2I8 ? gemm_avx2_i8 : gemm_avx512_vnni_i8;
-    over_weight_rows(N, [&](int64_t n0, int64_t n1) { gi8(xv, w, bp, yp, n0, n1); });
+    over_rows([&](int64_t n0, int64_t n1) { gi8(xv, w, bp, yp, n0, n1); });
     return y;
   }
 #endif
@@ -465,7 +713,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const XQ xv{qp, sp, has_m ? sp + KBp : nullptr, layout == kPairs ? sp + KBp * (has_m ? 2 : 1) : nullptr, M, KBp,
               sstride};
   float* yp = y.data_ptr<float>();
-  over_weight_rows(N, [&](int64_t n0, int64_t n1) { fn(xv, w, bp, yp, n0, n1); });
+  over_rows([&](int64_t n0, int64_t n1) { fn(xv, w, bp, yp, n0, n1); });
   return y;
 }
 
@@ -478,12 +726,35 @@ int64_t rows_per_tile(int64_t N, int64_t kp, int64_t isa) {
   return std::min(nb, std::max<int64_t>(12, (per_thread + 11) / 12 * 12));
 }
 
+at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float* bp, int64_t isa);
+
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
-                        const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
-                        const std::optional<at::Tensor>& bias, int64_t isa) {
+                        const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc,
+                        const std::optional<at::Tensor>& mn, int64_t fmt, const std::optional<at::Tensor>& bias,
+                        int64_t isa) {
   const float* bp;
-  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
+  const uint8_t* mnp;
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, &bp, &mnp);
+  at::Tensor y = linear_tiles_body(x, w, bp, isa);
+  if (mnp && y.numel()) {  // the panel GEMM rounds x as the micro-kernel does; the fp32 tiles do not round it
+    const HalfSums how = !panel_for(isa, w.fmt) ? HalfSums::kRaw
+                         : super_x(isa, w.fmt) ? HalfSums::kInt8Super : HalfSums::kInt8;
+    // The same tiles as the micro-kernel's minimum term (with the (dmin * mn) vectors made once a weight row
+    // for all of x's rows): 1.23-1.28x the Q3_K-view panel's time at 128 x 8192 x 2048 and 128 x 2048 x 8192,
+    // where an fp32 GEMM (addmm) over a (dmin * mn) matrix made for the call took 1.35-1.37x.
+    const int64_t M = x.size(0);
+    at::Tensor xs = at::empty({M, 2 * w.KB}, x.options());
+    half_sums(x.data_ptr<float>(), M, w.KB, how, xs.data_ptr<float>());
+    const SplitMinFn minfn = split_min_for(isa);
+    float* yp = y.data_ptr<float>();
+    const float* xp = xs.data_ptr<float>();
+    over_weight_rows(w.N, [&](int64_t n0, int64_t n1) { minfn(xp, M, w, mnp, yp, n0, n1); });
+  }
+  return y;
+}
+
+at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float* bp, int64_t isa) {
   TORCH_CHECK(isa_available(isa, best_isa()), "servelm_quant: ISA level ", isa, " is not available here");
   const int64_t N = w.N, M = x.size(0), kp = w.KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -557,19 +828,21 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 // For the fused decoder-layer op (fused_ops.cpp): the two entry points without the dispatcher.
 at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
-                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
-                       const std::optional<at::Tensor>& bias, int64_t isa, bool tiles) {
-  return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, fmt, bias, isa) : linear(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);
+                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc,
+                       const std::optional<at::Tensor>& mn, int64_t fmt, const std::optional<at::Tensor>& bias,
+                       int64_t isa, bool tiles) {
+  return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, isa)
+               : linear(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, isa);
 }
 
 }  // namespace servelm_quant
 
 TORCH_LIBRARY(servelm_quant, lib) {
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
-  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
-          "int isa) -> Tensor",
+  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, Tensor? mn, int fmt, "
+          "Tensor? bias, int isa) -> Tensor",
           &servelm_quant::linear);
-  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
-          "int isa) -> Tensor",
+  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, Tensor? mn, "
+          "int fmt, Tensor? bias, int isa) -> Tensor",
           &servelm_quant::linear_tiles);
 }
