@@ -6,7 +6,8 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's and IQ4_XS's nibbles index
   llama.cpp's table of 16 int8 values (`IQ4_VALUES`); Q3_K's 3-bit codes (its two low bits from `qs`, the third
-  from `hmask`) widened to a nibble each; Q2_K's 2-bit codes + 4 as nibbles (read as Q3_K's, offset 4);
+  from `hmask`) widened to a nibble each; Q2_K's 2-bit codes as crumbs, uint8 [N, KB, 8] in `_quad_crumbs`'
+  layout (the kernels read them + 4 and compute them as Q3_K's, offset 4);
 * `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
   4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
   kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
@@ -22,8 +23,8 @@ KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple 
 file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to
 bytes), except Q3_K: 1.33x, its 3-bit codes held as nibbles (146 bytes a super-block against the file's 110), so
 that every kernel reads it as it reads the other nibble formats (dequantising it to fp32 had taken 9.3x), and
-Q2_K: 1.95x (164 bytes against 84; fp32 had taken 12.2x), read by every kernel as Q3_K, its minimum term added
-after the kernel (csrc/quant_ops.cpp `split_min_for`).
+Q2_K: 1.19x (100 bytes a super-block against 84: its 4-bit scale and minimum per 16 weights a byte each; fp32
+had taken 12.2x), its minimum term added after the kernel (csrc/quant_ops.cpp `split_min_for`).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
@@ -72,9 +73,12 @@ class BlockFormat:
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
     split: bool = False  # a scale per 16 weights (Q3_K, Q6_K): sc holds the int8 scales of a block's two halves
     # a minimum per 16 weights as well (Q2_K): mn holds the 4-bit minimums of a block's two halves, m the
-    # super-block's dmin; the kernels read the rest as Q3_K's (its codes + 4 against the offset 4) and add the
+    # super-block's dmin; the kernels compute the rest as Q3_K's (its codes + 4 against the offset 4) and add the
     # minimum term after (csrc/quant_ops.cpp split_min_for)
     split_min: bool = False
+    # the codes' two low bits as crumbs in qs (Q2_K, Q3_K: `_quad_crumbs`' layout, 8 bytes a block), Q3_K's third
+    # bit a plane worth 4 (qh); Q2_K's codes read + 4
+    crumb_codes: bool = False
     # the nibble indexes `IQ4_VALUES` (IQ4_NL, IQ4_XS); the kernels take value + 128 as an unsigned code (offset
     # 128), except AVX2's int8 micro-kernel, which takes the signed value (vpsignb)
     lut: bool = False
@@ -102,8 +106,10 @@ _REGISTRY = {f.name: f for f in (
                 split=True),
     BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8, 16, offset=128, lut=True),
     BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 9, 16, offset=128, super_block=True, lut=True),
-    BlockFormat("q3_k", GGMLQuantizationType.Q3_K, 10, 16, offset=4, super_block=True, split=True),
-    BlockFormat("q2_k", GGMLQuantizationType.Q2_K, 11, 16, offset=4, super_block=True, split=True, split_min=True),
+    BlockFormat("q3_k", GGMLQuantizationType.Q3_K, 10, 8, offset=4, planes=1, super_block=True, split=True,
+                crumb_codes=True),
+    BlockFormat("q2_k", GGMLQuantizationType.Q2_K, 11, 8, offset=4, super_block=True, split=True, split_min=True,
+                crumb_codes=True),
 )}
 FORMATS = tuple(_REGISTRY)  # every GGUF type kept at its own bits
 # `quantize` writes these (gguf-py's reference rounding; it has none for the k-quants or IQ4_NL)
@@ -312,25 +318,28 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
         return QuantWeight(fmt, (n, k), _nibbles(codes), half(0), half(2), qh, None, scales)
     if fmt == "q2_k":  # scales [16] (4-bit scale | 4-bit min << 4, one per 16 weights), qs [64], fp16 d, dmin
         # element 32 j + l (block j, l 0..31): two bits at bit 2 (j % 4) of qs byte 32 (j // 4) + l, as Q3_K's
-        # low bits; value d * sc * q - dmin * mn. Held as Q3_K is (nibbles, offset 4: code q + 4), so the kernels
-        # read (d * sc) * (code - 4) as Q3_K's, and the minimums per 16 weights apart (mn).
+        # low bits; value d * sc * q - dmin * mn. The codes as crumbs (Q6_K's high bits' layout), which the
+        # kernels read + 4 and compute as Q3_K's (d * sc) * (code - 4); the minimums per 16 weights apart (mn).
         low = blocks[:, 16:80].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-        codes = ((low.reshape(b, 8, 32) & 3) + 4).reshape(n, kb, 32)
+        codes = (low.reshape(b, 8, 32) & 3).reshape(n, kb, 32)
         raw = blocks[:, :16].reshape(n, kb, 2)
         sc = torch.from_numpy(np.ascontiguousarray(raw & 15))  # 0..15: the same bytes as int8
         mn = torch.from_numpy(np.ascontiguousarray(raw >> 4))
-        return QuantWeight(fmt, (n, k), _nibbles(codes), half(80), half(82), None, None, sc, mn)
+        qs = _quad_crumbs(codes).view(torch.uint8).view(n, kb, 8)
+        return QuantWeight(fmt, (n, k), qs, half(80), half(82), None, None, sc, mn)
     if fmt == "q3_k":  # hmask [32], qs [64], 12 bytes of 6-bit scales, fp16 d (gguf.quants.Q3_K's order)
         # element 32 j + l of a super-block (block j, l 0..31): two low bits at bit 2 (j % 4) of qs byte
         # 32 (j // 4) + l, the third at bit j of hmask byte l; code = their 3 bits, value d * (sc - 32) * (code - 4)
         low = blocks[:, 32:96].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         high = blocks[:, :32].reshape(b, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        codes = ((low.reshape(b, 8, 32) & 3) | ((high & 1) << 2)).reshape(n, kb, 32)
+        crumbs = (low.reshape(b, 8, 32) & 3).reshape(n, kb, 32)
+        qh = _quad_planes(_words((high & 1).reshape(n, kb, 32)))  # the third bit, worth 4
         lsc = (blocks[:, 96:104].reshape(b, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(b, 16)
         hsc = (blocks[:, 104:108].reshape(b, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(b, 16)
         scales = ((lsc & 15) | ((hsc & 3) << 4)).astype(np.int16) - 32  # one per 16 weights: block j's 2j, 2j + 1
         sc = torch.from_numpy(np.ascontiguousarray(scales.astype(np.int8))).view(torch.uint8).view(n, kb, 2)
-        return QuantWeight(fmt, (n, k), _nibbles(codes), half(108), None, None, None, sc)
+        return QuantWeight(fmt, (n, k), _quad_crumbs(crumbs).view(torch.uint8).view(n, kb, 8), half(108), None, qh,
+                           None, sc)
     # Q6_K: ql [128], qh [64], int8 scales [16] (one per 16 weights), fp16 d; per half h (128 weights) ql's
     # 64 bytes hold elements 0..63 (low nibbles) and 64..127 (high), qh's 32 bytes four 2-bit fields per byte.
     low = blocks[:, :128].reshape(b, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
@@ -471,6 +480,8 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     f = block_format(qw.fmt)
     if qw.fmt == "q8_0":
         q = qs.to(torch.int32)
+    elif f.crumb_codes:  # Q2_K, Q3_K: 2-bit crumbs (Q2_K's read + 4, the offset; Q3_K's third bit a plane below)
+        q = _crumb_codes(qs.reshape(qs.shape[0], -1).view(torch.int64), qw.blocks) + (0 if f.planes else f.offset)
     elif f.lut:  # the table's values: the offset is already out
         q = torch.tensor(IQ4_VALUES, dtype=torch.int32)[torch.cat([qs & 0x0F, qs >> 4], dim=-1).long()] + f.offset
     else:
@@ -478,10 +489,10 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
         if f.crumbs:  # the two high bits together
             q = q | (_crumb_codes(qh, qw.blocks) << 4)
             qh = None
-        for shift, plane in ((4, qh), (5, qh2)):
-            if plane is not None:  # per-block words: bit j is element j's
-                words = torch.from_numpy(_block_words(plane, qw.blocks).astype(np.int64))
-                q = q | (((words.unsqueeze(-1) >> _BITS) & 1) << shift).to(torch.int32)
+    for shift, plane in (((2 if f.crumb_codes else 4), qh), (5, qh2)):  # Q3_K's third bit: 4; the q5s' fifth: 16
+        if plane is not None:  # per-block words: bit j is element j's
+            words = torch.from_numpy(_block_words(plane, qw.blocks).astype(np.int64))
+            q = q | (((words.unsqueeze(-1) >> _BITS) & 1) << shift).to(torch.int32)
     q = (q - f.offset).to(torch.float32)  # [..., KB, 32]
     if not f.super_block:
         vals = q * d.to(torch.float32).unsqueeze(-1)

@@ -102,7 +102,9 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
       continue;
     }
     for (int64_t b = 0; b < kb; ++b) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (row * kb + b) * 16));
+      const __m128i raw =
+          Traits<F>::crumb_codes ? crumb_nibbles(code_crumbs(w, row), b, Traits<F>::crumb_base)
+                                 : _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (row * kb + b) * 16));
       __m256i c = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low4), _mm_and_si128(raw, low4));
       if constexpr (Traits<F>::crumbs) {  // block b's 16 crumb bytes: k 0..15 at bits 2s, k 16..31 at 4 + 2s
         const __m128i v =
@@ -112,7 +114,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
         c = _mm256_or_si256(c, _mm256_set_m128i(_mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(s2)), m),
                                                 _mm_and_si128(_mm_sll_epi16(v, _mm_cvtsi32_si128(4 - s2)), m)));
       } else {
-        if constexpr (Traits<F>::planes >= 1) c = _mm256_add_epi8(c, plane_bytes(block_plane(w, 0, row, b), 16));
+        if constexpr (Traits<F>::planes >= 1) c = _mm256_add_epi8(c, plane_bytes(block_plane(w, 0, row, b), Traits<F>::plane_value));
         if constexpr (Traits<F>::planes >= 2) c = _mm256_add_epi8(c, plane_bytes(block_plane(w, 1, row, b), 32));
       }
       alignas(32) uint32_t dw[8];

@@ -58,7 +58,7 @@ template <Fmt F>
 void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* codes, float* s0, float* s1) {
   const int64_t kb = w.KB, kp = plane_stride(w), kbg = G * kGb;
   const __m512i low4 = _mm512_set1_epi8(0x0f);
-  const __m512i sixteen = _mm512_set1_epi8(16), thirty_two = _mm512_set1_epi8(32);
+  const __m512i sixteen = _mm512_set1_epi8(Traits<F>::plane_value), thirty_two = _mm512_set1_epi8(32);
   // a quad's 16 dwords are (block e, k 4i..) at 4e + i; to (i, e) at 4i + e
   const __m512i tr = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   for (int j = 0; j < kNp; ++j) {
@@ -86,7 +86,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
       }
       continue;
     }
-    const uint8_t* q = w.qs + row * kb * 16;
+    const uint8_t* q = w.qs + row * kb * Traits<F>::payload;
     const uint64_t* h1 = Traits<F>::planes >= 1 ? w.qh + row * kp : nullptr;
     const uint64_t* h2 = Traits<F>::planes >= 2 && !Traits<F>::crumbs ? w.qh2 + row * kp : nullptr;
     for (int64_t g = 0; g < G; ++g) {
@@ -98,9 +98,14 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
           continue;
         }
         const __mmask64 tail = kb - b >= 4 ? ~0ull : (1ull << (16 * (kb - b))) - 1ull;
-        const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);
-        __m512i lo = lut_bytes<F>(_mm512_and_si512(raw, low4));
-        __m512i hi = lut_bytes<F>(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+        __m512i lo, hi;
+        if constexpr (Traits<F>::crumb_codes) {  // Q2_K: whole quads, 32 crumb bytes
+          crumb_codes_quad(q + b * 8, Traits<F>::crumb_base, lo, hi);
+        } else {
+          const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);
+          lo = lut_bytes<F>(_mm512_and_si512(raw, low4));
+          hi = lut_bytes<F>(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4));
+        }
         if constexpr (Traits<F>::crumbs) {  // whole quads (k-quants): no tail
           add_crumbs_quad(reinterpret_cast<const uint8_t*>(h1 + b), lo, hi);
         } else if constexpr (Traits<F>::planes >= 1) {

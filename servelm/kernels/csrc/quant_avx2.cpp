@@ -137,7 +137,9 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
         wa[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         wb[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
       } else {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16));
+        const __m128i raw =
+            Traits<F>::crumb_codes ? crumb_nibbles(code_crumbs(w, n + j), b, Traits<F>::crumb_base)
+                                   : _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + ((n + j) * kb + b) * 16));
         if constexpr (Traits<F>::lut) {  // IQ4_NL, IQ4_XS: the nibbles' signed values (kIq4Values), no offset
           const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)), m = _mm_set1_epi8(0x0f);
           wa[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(t, _mm_and_si128(raw, m)));
@@ -149,7 +151,7 @@ static void micro(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const fl
         wb[j] = _mm256_srli_epi16(v, 4);
         for (int p = 0; p < Traits<F>::planes; ++p) {  // plane bits 0..15 go to wa's words, 16..31 to wb's
           const uint32_t h = block_plane(w, p, n + j, b);
-          const __m256i v = _mm256_set1_epi16(p ? 32 : 16);
+          const __m256i v = _mm256_set1_epi16(p ? 32 : Traits<F>::plane_value);
           wa[j] = _mm256_or_si256(wa[j], plane_bits(h & 0xFFFFu, v));
           wb[j] = _mm256_or_si256(wb[j], plane_bits(h >> 16, v));
         }
@@ -237,7 +239,7 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
   };
   // The tile's rows are consecutive: base pointers per row and constant strides, the row's last block peeled
   // when KB is odd (per-row index arithmetic in the loop spilled the general registers, as on AVX-512).
-  const int64_t qstride = kb * 16;
+  const int64_t qstride = kb * Traits<F>::payload;
   const uint8_t* qj[NR];
   const uint64_t* hj[2][NR];
   for (int j = 0; j < NR; ++j) {
@@ -255,12 +257,17 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
     const int64_t qo = quad * 4 * kBlock + half * 32, so = quad * 16 + half * 8, co = quad * 32 + half * 8;
 #pragma GCC unroll 2
     for (int j = 0; j < NR; ++j) {
-      const uint8_t* p = qj[j] + b * 16;
+      const uint8_t* p = qj[j] + b * Traits<F>::payload;
       if (ahead) prefetch(p + kAhead * qstride);
-      const __m256i raw = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      __m256i lo = _mm256_and_si256(raw, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      __m256i lo, hi;
+      if constexpr (Traits<F>::crumb_codes) {  // Q2_K (whole quads): the quad's 32 crumb bytes
+        crumb_codes_pair<half>(qj[j] + quad * 32, Traits<F>::crumb_base, lo, hi);
+      } else {
+        const __m256i raw = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        lo = _mm256_and_si256(raw, low4);
+        hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      }
       if constexpr (Traits<F>::lut) {  // the table's signed values (kIq4Values), as |value| with its sign apart
         lo = _mm256_shuffle_epi8(iq4, lo);
         hi = _mm256_shuffle_epi8(iq4, hi);
@@ -268,7 +275,7 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
         add_crumbs_pair<half>(reinterpret_cast<const uint8_t*>(hj[0][j] + quad * 4), lo, hi);
       } else for (int pl = 0; pl < Traits<F>::planes; ++pl) {
         const uint64_t* q = hj[pl][j] + quad * 2;
-        const __m256i v = _mm256_set1_epi8(pl ? 32 : 16);
+        const __m256i v = _mm256_set1_epi8(pl ? 32 : Traits<F>::plane_value);
         lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(q[0] >> (32 * half)), v));
         hi = _mm256_or_si256(hi, plane_bytes(static_cast<uint32_t>(q[1] >> (32 * half)), v));
       }
@@ -357,7 +364,7 @@ static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, cons
   static_assert(Traits<F>::kquant && !Traits<F>::lut, "the k-quants with 6-bit or int8 scales");
   constexpr int kOffsetShift = Traits<F>::offset == 32 ? 5 : 2;  // the split formats' offsets, powers of two
   static_assert(!Traits<F>::split || Traits<F>::offset == 1 << kOffsetShift, "split formats: offset 32 or 4");
-  const int64_t kb = w.KB, nsb = kb / kSuper, qstride = kb * 16;
+  const int64_t kb = w.KB, nsb = kb / kSuper, qstride = kb * Traits<F>::payload;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f), lo16 = _mm256_set1_epi32(0xFFFF);
@@ -396,15 +403,20 @@ static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, cons
     const auto pair = [&](auto p_c) {
       constexpr int p = decltype(p_c)::value, half = p % 2;
       const int64_t b = sb * kSuper + 2 * p, quad = b / 4;
-      const uint8_t* pq = q + b * 16;
+      const uint8_t* pq = q + b * Traits<F>::payload;
       if (ahead) prefetch(pq + kAhead * qstride);
-      const __m256i rawq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq));
-      __m256i lo = _mm256_and_si256(rawq, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(rawq, 4), low4);
+      __m256i lo, hi;
+      if constexpr (Traits<F>::crumb_codes) {  // Q2_K: the quad's 32 crumb bytes
+        crumb_codes_pair<half>(q + quad * 32, Traits<F>::crumb_base, lo, hi);
+      } else {
+        const __m256i rawq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq));
+        lo = _mm256_and_si256(rawq, low4);
+        hi = _mm256_and_si256(_mm256_srli_epi16(rawq, 4), low4);
+      }
       if constexpr (Traits<F>::crumbs) {
         add_crumbs_pair<half>(reinterpret_cast<const uint8_t*>(h + quad * 4), lo, hi);
       } else if constexpr (Traits<F>::planes == 1) {
-        const __m256i sixteen = _mm256_set1_epi8(16);
+        const __m256i sixteen = _mm256_set1_epi8(Traits<F>::plane_value);
         lo = _mm256_or_si256(lo, plane_bytes(static_cast<uint32_t>(h[quad * 2] >> (32 * half)), sixteen));
         hi = _mm256_or_si256(hi, plane_bytes(static_cast<uint32_t>(h[quad * 2 + 1] >> (32 * half)), sixteen));
       }

@@ -22,9 +22,9 @@ namespace servelm_quant {
 // Every format is read as 32-weight blocks of integer codes; the k-quants (Q3_K, Q4_K, Q5_K, Q6_K: 256-weight
 // super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py; Q3_K's
 // 3-bit codes as nibbles).
-// Q2_K exists only at the ops' boundary (quant_ops.cpp `checked`): its codes are held + 4 as nibbles with
-// int8 scales per 16 weights, which is Q3_K's layout (offset 4), so every kernel reads it as Q3_K; its minimums
-// per 16 weights (mn) are added after the kernel (quant_ops.cpp split_min_for).
+// Q2_K: its 2-bit codes as crumbs (Traits::crumb_codes), each read + 4 so that every kernel computes it as it
+// computes Q3_K (offset 4, int8 scales per 16 weights); its minimums per 16 weights (mn) are added after the
+// kernel (quant_ops.cpp split_min_for).
 enum Fmt : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q5_0 = 3, Q5_1 = 4, Q4_K = 5, Q5_K = 6, Q6_K = 7, IQ4_NL = 8,
                      IQ4_XS = 9, Q3_K = 10, Q2_K = 11 };
 constexpr int64_t kNumFmts = 12;
@@ -40,21 +40,30 @@ template <Fmt F>
 struct Traits {
   static constexpr bool nibbles = F != Q8_0;  // qs holds 16 bytes of nibble pairs, not 32 int8
   static constexpr bool has_min = F == Q4_1 || F == Q5_1 || F == Q4_K || F == Q5_K;
-  static constexpr int planes = F == Q6_K ? 2 : (F == Q5_0 || F == Q5_1 || F == Q5_K) ? 1 : 0;  // bits over the nibble
+  static constexpr int planes =  // bits over the nibble (Q3_K: over its crumb, see crumb_codes)
+      F == Q6_K ? 2 : (F == Q5_0 || F == Q5_1 || F == Q5_K || F == Q3_K) ? 1 : 0;
   // Q6_K's two high bits are 2-bit fields ("crumbs") in qh, 32 bytes a quad of blocks (see crumb_at), not two
   // bit planes: the int8 kernels add them with a shift and a mask a half quad, where two planes took 24 ops a
   // pair of blocks on AVX2.
   static constexpr bool crumbs = F == Q6_K;
   static constexpr bool has_qh = planes > 0;
   // scales derived per super-block (IQ4_XS: d * its 6-bit scale - 32, as the k-quants keep their own)
-  static constexpr bool kquant = F == Q3_K || F == Q4_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
-  static constexpr bool split = F == Q3_K || F == Q6_K;  // int8 scales per 16 weights (sc: the two halves')
+  static constexpr bool kquant = F == Q2_K || F == Q3_K || F == Q4_K || F == Q5_K || F == Q6_K || F == IQ4_XS;
+  static constexpr bool split = F == Q2_K || F == Q3_K || F == Q6_K;  // int8 scales per 16 weights (sc: the halves')
+  // Q2_K, Q3_K: the codes' two low bits are crumbs in qs, 8 bytes a block, laid out as Q6_K's crumbs (crumb_at:
+  // a quad's 32 bytes, byte t holding L[t], L[32 + t], H[t], H[32 + t]); Q3_K's third bit is a bit plane (qh)
+  // worth 4, Q2_K's codes are read + 4 (crumb_base), so that both are computed alike (offset 4) and only the
+  // unpacking differs from the nibble formats' (crumb_codes_quad, crumb_codes_pair, crumb_nibbles)
+  static constexpr bool crumb_codes = F == Q2_K || F == Q3_K;
+  static constexpr int crumb_base = F == Q2_K ? 4 : 0;
+  static constexpr int plane_value = F == Q3_K ? 4 : 16;  // what plane 0's bit adds (plane 1's: 32)
   // IQ4_NL, IQ4_XS: a nibble indexes a table of 16 int8 values (llama.cpp's kvalues_iq4nl), kept as value + 128
   // so that the int8 kernels' vpdpbusd reads it as an unsigned code (one vpshufb a vector), with the offset 128.
   static constexpr bool lut = F == IQ4_NL || F == IQ4_XS;
   static constexpr int sc_bytes = !kquant ? 0 : F == IQ4_XS ? 1 : 2;  // bytes of sc per block
-  static constexpr int offset = F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : F == Q3_K ? 4 : lut ? 128 : 0;
-  static constexpr int payload = nibbles ? 16 : 32;  // bytes of qs per block
+  static constexpr int offset =
+      F == Q4_0 ? 8 : F == Q5_0 ? 16 : F == Q6_K ? 32 : F == Q3_K || F == Q2_K ? 4 : lut ? 128 : 0;
+  static constexpr int payload = crumb_codes ? 8 : nibbles ? 16 : 32;  // bytes of qs per block
 };
 
 // Calls fn(std::integral_constant<Fmt, F>{}) for the run-time format f: the drivers are written once over it.
@@ -71,7 +80,8 @@ inline void dispatch_fmt(Fmt f, Fn&& fn) {
     case Q6_K: fn(std::integral_constant<Fmt, Q6_K>{}); break;
     case IQ4_NL: fn(std::integral_constant<Fmt, IQ4_NL>{}); break;
     case IQ4_XS: fn(std::integral_constant<Fmt, IQ4_XS>{}); break;
-    default: fn(std::integral_constant<Fmt, Q3_K>{}); break;  // Q3_K, and Q2_K read as Q3_K
+    case Q2_K: fn(std::integral_constant<Fmt, Q2_K>{}); break;
+    default: fn(std::integral_constant<Fmt, Q3_K>{}); break;
   }
 }
 
@@ -91,6 +101,9 @@ SERVELM_TRAIT(fmt_offset, offset)
 SERVELM_TRAIT(fmt_payload, payload)
 SERVELM_TRAIT(fmt_lut, lut)
 SERVELM_TRAIT(fmt_sc_bytes, sc_bytes)
+SERVELM_TRAIT(fmt_crumb_codes, crumb_codes)
+SERVELM_TRAIT(fmt_crumb_base, crumb_base)
+SERVELM_TRAIT(fmt_plane_value, plane_value)
 #undef SERVELM_TRAIT
 
 // The lookup formats' codes (IQ4_NL, IQ4_XS in llama.cpp): kvalues_iq4nl + 128, so code - offset (128) is the
@@ -216,9 +229,50 @@ inline void prefetch_fields(const QWeight& w, int64_t n, int64_t rows) {
   if (Traits<F>::planes >= 2 && !Traits<F>::crumbs) lines(w.qh2, n * ps, rows * ps);
 }
 
+// The code crumbs of row n (Q2_K, Q3_K): quad q's 32 bytes at + 32 q (crumb_at's layout).
+inline const uint8_t* code_crumbs(const QWeight& w, int64_t n) { return w.qs + n * w.KB * 8; }
+
+// Block b's 16 bytes of nibble pairs (element k low, k + 16 high) from its crumbs (SSE2), each | base (Q2_K's 4;
+// Q3_K's planes are added after): for the paths that go block by block, which then read them as nibbles.
+inline __m128i crumb_nibbles(const uint8_t* row, int64_t b, int base) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b / 4 * 32 + 16 * (b & 1)));
+  const __m128i s = _mm_cvtsi32_si128(2 * static_cast<int>((b >> 1) & 1));  // block b's L bits: 2s; H: 4 + 2s
+  const __m128i three = _mm_set1_epi8(3), add = _mm_set1_epi8(static_cast<char>(base));
+  const __m128i lo = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(v, s), three), add);
+  const __m128i hi = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(_mm_srli_epi16(v, 4), s), three), add);
+  return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));  // hi <= 7: nothing crosses into the next byte
+}
+
+// A quad's codes from its 32 crumb bytes (AVX-512 BW), each | base: lo, hi as a nibble format's (the quad's 64
+// low-nibble codes L, its 64 high-nibble ones H); (v >> s) & 3 | base in one ternary-logic op a vector.
+__attribute__((target("avx512f,avx512bw"))) inline void crumb_codes_quad(const uint8_t* c32, int base, __m512i& lo,
+                                                                           __m512i& hi) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32)));
+  const __m512i lo_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // L[t], L[32 + t]
+  const __m512i hi_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);  // H[t], H[32 + t]
+  const __m512i three = _mm512_set1_epi8(3), add = _mm512_set1_epi8(static_cast<char>(base));
+  lo = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(v, lo_shift), three, add, 0xEA);  // (a & b) | c
+  hi = _mm512_ternarylogic_epi32(_mm512_srlv_epi16(v, hi_shift), three, add, 0xEA);
+}
+
+// The same for one pair of blocks on AVX2 (half H of its quad: 32 codes of L and of H), from the quad's 32 bytes.
+template <int H>
+__attribute__((target("avx2"))) inline void crumb_codes_pair(const uint8_t* c32, int base, __m256i& lo,
+                                                            __m256i& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c32));
+  const __m256i three = _mm256_set1_epi8(3), add = _mm256_set1_epi8(static_cast<char>(base));
+  lo = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 2 * H), three), add);
+  hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4 + 2 * H), three), add);
+}
+
 // The integer code of element k (0..31) of block b of row n (the scalar reference of every path).
 inline int code_at(const QWeight& w, int64_t n, int64_t b, int k) {
   if (w.fmt == Q8_0) return reinterpret_cast<const int8_t*>(w.qs)[(n * w.KB + b) * 32 + k];
+  if (fmt_crumb_codes(w.fmt)) {
+    int q = crumb_at(code_crumbs(w, n), b, k) | fmt_crumb_base(w.fmt);
+    if (w.qh) q |= static_cast<int>((w.qh[n * plane_stride(w) + plane_word(b, k)] >> plane_bit(b, k)) & 1u) << 2;
+    return q - fmt_offset(w.fmt);
+  }
   const uint8_t byte = w.qs[(n * w.KB + b) * 16 + (k & 15)];
   int q = k < 16 ? (byte & 15) : (byte >> 4);
   if (fmt_lut(w.fmt)) return kIq4Values[q];

@@ -332,8 +332,8 @@ void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16
   }
 }
 
-// The weight view after checking the op's arguments; for Q2_K the view is Q3_K's (the kernels read it as such)
-// and *mnp its minimums per 16 weights (otherwise nullptr).
+// The weight view after checking the op's arguments, and *mnp Q2_K's minimums per 16 weights (otherwise
+// nullptr).
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                 const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
                 const std::optional<at::Tensor>& sc, const std::optional<at::Tensor>& mn, int64_t fmt,
@@ -383,11 +383,11 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   };
   return QWeight{static_cast<const uint8_t*>(qs.data_ptr()), reinterpret_cast<const uint16_t*>(d.data_ptr()),
                  present(m) ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr, words(qh), words(qh2),
-                 kq ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, N, KB, split_min ? Q3_K : f};
+                 kq ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, N, KB, f};
 }
 
 // Q2_K's minimum term: value = (d * sc) * q - dmin * mn per 16 weights; the kernel computed the first part (as
-// Q3_K), this subtracts sum over the halves h of dmin * mn_h * (x's sum over h), each output still one fixed
+// Q3_K's arithmetic), this subtracts sum over the halves h of dmin * mn_h * (x's sum over h), each output still one fixed
 // sequence of operations on its own rows (batch-invariant). x's sums are those of the codes the path rounded x to
 // (as quant_block_i8's for the other formats' minimums, and llama.cpp's Q8_K sums): then a row's error is
 // sum(w * e) (e: x's rounding), where x's own sums left sum(d * sc * q * e), q in 0..3 not centred: on the

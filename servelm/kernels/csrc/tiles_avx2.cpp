@@ -60,12 +60,14 @@ static void dequant_row(const QWeight& w, int64_t n, float* out) {
       store16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)), true, dv, nullptr, o + 16);
       continue;
     }
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
+    const __m128i raw = fmt_crumb_codes(w.fmt)
+                            ? crumb_nibbles(code_crumbs(w, n), b, fmt_crumb_base(w.fmt))
+                            : _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.qs + (n * kb + b) * 16));
     __m128i lo = _mm_and_si128(raw, low4);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
     for (int p = 0; p < planes; ++p) {
       const uint32_t h = block_plane(w, p, n, b);
-      const __m128i v = _mm_set1_epi8(p ? 32 : 16);
+      const __m128i v = _mm_set1_epi8(static_cast<char>(p ? 32 : fmt_plane_value(w.fmt)));
       lo = _mm_or_si128(lo, plane_bits(h & 0xFFFFu, v));
       hi = _mm_or_si128(hi, plane_bits(h >> 16, v));
     }

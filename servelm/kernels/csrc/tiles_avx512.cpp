@@ -55,6 +55,14 @@ static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, i
   const int64_t payload = fmt_payload(w.fmt);
   const int64_t stride = w.KB * payload;
   const int64_t n0 = t0 + g * 16;
+  if (fmt_crumb_codes(w.fmt)) {  // Q2_K, Q3_K: each row's crumbs as nibble pairs (crumb_nibbles; planes after)
+    alignas(64) uint8_t rows[16 * 16] = {0};
+    for (int64_t i = 0; i < 16 && n0 + i < w.N; ++i)
+      _mm_store_si128(reinterpret_cast<__m128i*>(rows + i * 16),
+                      crumb_nibbles(code_crumbs(w, n0 + i), b, fmt_crumb_base(w.fmt)));
+    regroup16(rows, 16, out);
+    return;
+  }
   const uint8_t* p = w.qs + n0 * stride + b * payload + half * 16;
   if (n0 + 16 <= w.N) {
     regroup16(p, stride, out);
@@ -82,7 +90,9 @@ struct CodeTable {
   __m512 lo, hi;
   int planes;
   __m512i offset;
-  explicit CodeTable(Fmt f) : planes(fmt_planes(f)), offset(_mm512_set1_epi32(fmt_offset(f))) {
+  bool plane4;  // Q3_K: plane 0 is its codes' third bit (+4) over a crumb: codes 0..7, the 16-entry table
+  explicit CodeTable(Fmt f)
+      : planes(fmt_planes(f)), offset(_mm512_set1_epi32(fmt_offset(f))), plane4(fmt_plane_value(f) == 4) {
     lo = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                        _mm512_set1_ps(static_cast<float>(fmt_offset(f))));
     if (fmt_lut(f))
@@ -93,6 +103,7 @@ struct CodeTable {
     if (planes == 0) return _mm512_permutexvar_ps(v, lo);
     const __m512i one = _mm512_set1_epi32(1);
     const __m512i b0 = _mm512_and_si512(_mm512_srl_epi32(p0, _mm_cvtsi32_si128(k)), one);
+    if (plane4) return _mm512_permutexvar_ps(_mm512_or_si512(v, _mm512_slli_epi32(b0, 2)), lo);
     __m512i idx = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(15)), _mm512_slli_epi32(b0, 4));
     if (planes == 1) return _mm512_permutex2var_ps(lo, idx, hi);
     const __m512i b1 = _mm512_and_si512(_mm512_srl_epi32(p1, _mm_cvtsi32_si128(k)), one);
@@ -128,7 +139,7 @@ static inline void store_ps(float* o, __m512i q, __m512 dv, const __m512* mv) {
 
 // Block b of the tile's rows, dequantised into out[k][64] (k = 0..31 of the block, row stride kTile).
 static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileScales& sc, float* out) {
-  const int payload = fmt_payload(w.fmt);
+  const int payload = fmt_crumb_codes(w.fmt) ? 16 : fmt_payload(w.fmt);  // Q2_K, Q3_K: as nibbles (group_bytes)
   const CodeTable table(w.fmt);
   const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   for (int g = 0; g < kGroups; ++g) {
@@ -191,7 +202,7 @@ static inline void store_rows(__m512 (&acc)[R][4], float* y, int64_t ldy, const 
 template <int R>
 static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, const TileScales& sc, const float* x,
                                int64_t kp, __m512 (&acc)[R]) {
-  const int payload = fmt_payload(w.fmt);
+  const int payload = fmt_crumb_codes(w.fmt) ? 16 : fmt_payload(w.fmt);  // Q2_K, Q3_K: as nibbles (group_bytes)
   const CodeTable table(w.fmt);
   const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
