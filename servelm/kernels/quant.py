@@ -5,13 +5,14 @@ A `QuantWeight` is one [N out, K in] matrix quantised by rows, kept as 32-weight
 kernel reads, field by field out of the file's blocks (`FORMATS` is the registry: one row a format):
 * `qs`: the codes, int8 [N, KB, 32] for q8_0; for the others uint8 [N, KB, 16] of nibbles in ggml's q4 order
   (element j in the low nibble of byte j, element j + 16 in the high one); IQ4_NL's and IQ4_XS's nibbles index
-  llama.cpp's table of 16 int8 values (`IQ4_VALUES`); Q3_K's 3-bit codes (its two low bits from `qs`, the third
-  from `hmask`) widened to a nibble each; Q2_K's 2-bit codes as crumbs, uint8 [N, KB, 8] in `_quad_crumbs`'
-  layout (the kernels read them + 4 and compute them as Q3_K's, offset 4);
-* `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K, int64 [N, 2 * ceil(KB /
-  4)], two words per quad of blocks (four blocks' k 0..15, then their k 16..31) in the order the AVX-512
-  kernels' lanes come (see `_quad_planes`); Q6_K's two high bits (+16, +32) as 2-bit "crumbs" in `qh` alone,
-  int64 [N, 4 * ceil(KB / 4)], 32 bytes a quad (see `_quad_crumbs`);
+  llama.cpp's table of 16 int8 values (`IQ4_VALUES`); Q2_K's and Q3_K's codes' two low bits as crumbs, uint8
+  [N, KB, 8] in `_quad_crumbs`' layout (Q2_K's read + 4, so that the kernels compute both as 3-bit codes with
+  the offset 4);
+* `qh`, `qh2`: bit planes over the nibbles: the fifth bit (+16) of q5_0, q5_1, Q5_K (Q3_K: its third bit, +4,
+  over the crumb, from `hmask`), int64 [N, 2 * ceil(KB / 4)], two words per quad of blocks (four blocks' k
+  0..15, then their k 16..31) in the order the AVX-512 kernels' lanes come (see `_quad_planes`); Q6_K's two high
+  bits (+16, +32) as 2-bit "crumbs" in `qh` alone, int64 [N, 4 * ceil(KB / 4)], 32 bytes a quad (see
+  `_quad_crumbs`);
 * `d`, `m`: fp16 scales and minimums, per block [N, KB] (q4_1/q5_1 have `m`), or for the k-quants per
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
@@ -20,11 +21,10 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
   scale - 32 as int8 (unpacked from scales_l/scales_h);
 * `mn`: Q2_K's 4-bit minimums of each block's two halves, uint8 [N, KB, 2] (`m` holds its super-blocks' dmin).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
-file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, whose 6-bit scales are unpacked to
-bytes), except Q3_K: 1.33x, its 3-bit codes held as nibbles (146 bytes a super-block against the file's 110), so
-that every kernel reads it as it reads the other nibble formats (dequantising it to fp32 had taken 9.3x), and
-Q2_K: 1.19x (100 bytes a super-block against 84: its 4-bit scale and minimum per 16 weights a byte each; fp32
-had taken 12.2x), its minimum term added after the kernel (csrc/quant_ops.cpp `split_min_for`).
+file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, 1.04x for Q3_K, whose 6-bit scales
+are unpacked to bytes), and Q2_K: 1.19x (100 bytes a super-block against 84: its 4-bit scale and minimum per 16
+weights a byte each; fp32 had taken 12.2x), its minimum term added after the kernel (csrc/quant_ops.cpp
+`split_min_for`).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
@@ -68,7 +68,8 @@ class BlockFormat:
     payload: int  # bytes of codes per 32-weight block (qs)
     offset: int = 0  # value = scale * (code - offset) (+ min)
     has_min: bool = False  # a minimum added to each value (q4_1, q5_1; Q4_K/Q5_K: -dmin * 6-bit min)
-    planes: int = 0  # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32)
+    # bits over the nibbles: q5 1 (qh, a bit plane: +16), Q6_K 2 (+16, +32); Q3_K 1 (+4, over its crumb)
+    planes: int = 0
     crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
     split: bool = False  # a scale per 16 weights (Q3_K, Q6_K): sc holds the int8 scales of a block's two halves

@@ -114,7 +114,8 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
         c = _mm256_or_si256(c, _mm256_set_m128i(_mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(s2)), m),
                                                 _mm_and_si128(_mm_sll_epi16(v, _mm_cvtsi32_si128(4 - s2)), m)));
       } else {
-        if constexpr (Traits<F>::planes >= 1) c = _mm256_add_epi8(c, plane_bytes(block_plane(w, 0, row, b), Traits<F>::plane_value));
+        if constexpr (Traits<F>::planes >= 1)
+          c = _mm256_add_epi8(c, plane_bytes(block_plane(w, 0, row, b), Traits<F>::plane_value));
         if constexpr (Traits<F>::planes >= 2) c = _mm256_add_epi8(c, plane_bytes(block_plane(w, 1, row, b), 32));
       }
       alignas(32) uint32_t dw[8];

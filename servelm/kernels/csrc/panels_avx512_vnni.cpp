@@ -99,7 +99,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
         }
         const __mmask64 tail = kb - b >= 4 ? ~0ull : (1ull << (16 * (kb - b))) - 1ull;
         __m512i lo, hi;
-        if constexpr (Traits<F>::crumb_codes) {  // Q2_K: whole quads, 32 crumb bytes
+        if constexpr (Traits<F>::crumb_codes) {  // Q2_K, Q3_K: whole quads, 32 crumb bytes
           crumb_codes_quad(q + b * 8, Traits<F>::crumb_base, lo, hi);
         } else {
           const __m512i raw = _mm512_maskz_loadu_epi8(tail, q + b * 16);

@@ -260,7 +260,7 @@ static void micro_i8(const XQ& x, const QWeight& w, int64_t n, int64_t i0, const
       const uint8_t* p = qj[j] + b * Traits<F>::payload;
       if (ahead) prefetch(p + kAhead * qstride);
       __m256i lo, hi;
-      if constexpr (Traits<F>::crumb_codes) {  // Q2_K (whole quads): the quad's 32 crumb bytes
+      if constexpr (Traits<F>::crumb_codes) {  // Q2_K, Q3_K (whole quads): the quad's 32 crumb bytes
         crumb_codes_pair<half>(qj[j] + quad * 32, Traits<F>::crumb_base, lo, hi);
       } else {
         const __m256i raw = whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
@@ -406,7 +406,7 @@ static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, cons
       const uint8_t* pq = q + b * Traits<F>::payload;
       if (ahead) prefetch(pq + kAhead * qstride);
       __m256i lo, hi;
-      if constexpr (Traits<F>::crumb_codes) {  // Q2_K: the quad's 32 crumb bytes
+      if constexpr (Traits<F>::crumb_codes) {  // Q2_K, Q3_K: the quad's 32 crumb bytes
         crumb_codes_pair<half>(q + quad * 32, Traits<F>::crumb_base, lo, hi);
       } else {
         const __m256i rawq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pq));

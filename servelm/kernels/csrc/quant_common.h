@@ -19,9 +19,8 @@
 namespace servelm_quant {
 
 // The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
-// Every format is read as 32-weight blocks of integer codes; the k-quants (Q3_K, Q4_K, Q5_K, Q6_K: 256-weight
-// super-blocks in the file) are laid out at load as such blocks, the same bits rearranged (quant.py; Q3_K's
-// 3-bit codes as nibbles).
+// Every format is read as 32-weight blocks of integer codes; the k-quants (Q2_K .. Q6_K: 256-weight super-blocks
+// in the file) are laid out at load as such blocks, the same bits rearranged (quant.py).
 // Q2_K: its 2-bit codes as crumbs (Traits::crumb_codes), each read + 4 so that every kernel computes it as it
 // computes Q3_K (offset 4, int8 scales per 16 weights); its minimums per 16 weights (mn) are added after the
 // kernel (quant_ops.cpp split_min_for).
