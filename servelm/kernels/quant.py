@@ -17,14 +17,13 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
   256-weight super-block [N, KB / 8] (`d`, and Q4_K/Q5_K's `dmin` as `m`);
 * `sc`: the k-quants' two scale bytes per block [N, KB, 2]: Q4_K/Q5_K's 6-bit scale and min (unpacked from
   the 12-byte field), Q6_K's int8 scales of the block's two halves, Q3_K's the same (its 6-bit scales - 32,
-  unpacked from the 12-byte field), Q2_K's the same (its 4-bit scales); IQ4_XS's one, [N, KB, 1]: its 6-bit
-  scale - 32 as int8 (unpacked from scales_l/scales_h);
-* `mn`: Q2_K's 4-bit minimums of each block's two halves, uint8 [N, KB, 2] (`m` holds its super-blocks' dmin).
+  unpacked from the 12-byte field), Q2_K's its halves' bytes as in the file (4-bit scale | 4-bit minimum << 4;
+  `m` holds its super-blocks' dmin); IQ4_XS's one, [N, KB, 1]: its 6-bit scale - 32 as int8 (unpacked from
+  scales_l/scales_h).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
-file's bytes (1.00x for Q6_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, 1.04x for Q3_K, whose 6-bit scales
-are unpacked to bytes), and Q2_K: 1.19x (100 bytes a super-block against 84: its 4-bit scale and minimum per 16
-weights a byte each; fp32 had taken 12.2x), its minimum term added after the kernel (csrc/quant_ops.cpp
-`split_min_for`).
+file's bytes (1.00x for Q6_K and Q2_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, 1.04x for Q3_K, whose 6-bit
+scales are unpacked to bytes; fp32 had taken Q2_K 12.2x), Q2_K's minimum term added after the kernel
+(csrc/quant_ops.cpp `split_min_for`).
 
 Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0, `d * (q - 16)` for q5_0,
 `d * q + m` for q4_1 and q5_1, `(d * sc) * q - dmin * mn` for Q4_K/Q5_K, `(d * sc) * (q - 32)` for Q6_K,
@@ -73,9 +72,9 @@ class BlockFormat:
     crumbs: bool = False  # those bits as 2-bit crumbs in qh (Q6_K, `_quad_crumbs`), not bit planes
     super_block: bool = False  # a k-quant: 256-weight super-blocks in the file, scales derived per block (sc)
     split: bool = False  # a scale per 16 weights (Q3_K, Q6_K): sc holds the int8 scales of a block's two halves
-    # a minimum per 16 weights as well (Q2_K): mn holds the 4-bit minimums of a block's two halves, m the
-    # super-block's dmin; the kernels compute the rest as Q3_K's (its codes + 4 against the offset 4) and add the
-    # minimum term after (csrc/quant_ops.cpp split_min_for)
+    # a minimum per 16 weights as well (Q2_K): sc's bytes hold each half's 4-bit scale (low nibble) and minimum
+    # (high), as the file's do, m the super-block's dmin; the kernels compute the rest as Q3_K's (its codes + 4
+    # against the offset 4) and add the minimum term after (csrc/quant_ops.cpp split_min_for)
     split_min: bool = False
     # the codes' two low bits as crumbs in qs (Q2_K, Q3_K: `_quad_crumbs`' layout, 8 bytes a block), Q3_K's third
     # bit a plane worth 4 (qh); Q2_K's codes read + 4
@@ -166,7 +165,6 @@ class QuantWeight:
     qh: torch.Tensor | None = None
     qh2: torch.Tensor | None = None
     sc: torch.Tensor | None = None
-    mn: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -174,15 +172,15 @@ class QuantWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """(qs, d, m, qh, qh2, sc, mn): the row-indexed fields, in the order of the constructor and the kernel op."""
-        return self.qs, self.d, self.m, self.qh, self.qh2, self.sc, self.mn
+        """(qs, d, m, qh, qh2, sc): the row-indexed fields, in the order of the constructor and the kernel op."""
+        return self.qs, self.d, self.m, self.qh, self.qh2, self.sc
 
     def replace(self, fn, shape: tuple[int, int]) -> QuantWeight:
         """The same format with `fn(field, kind)` applied to each present field: kind "block" (a column per
         32-weight block), "super" (d and m of the k-quants: one per super-block) or "plane" (qh, qh2: plane words,
         or Q6_K's crumbs, per quad of blocks)."""
         sb = block_format(self.fmt).super_block
-        kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block", "block")
+        kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block")
         fields = [None if t is None else fn(t, kind) for t, kind in zip(self.tensors(), kinds, strict=True)]
         return QuantWeight(self.fmt, shape, *fields)
 
@@ -323,11 +321,9 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
         # kernels read + 4 and compute as Q3_K's (d * sc) * (code - 4); the minimums per 16 weights apart (mn).
         low = blocks[:, 16:80].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         codes = (low.reshape(b, 8, 32) & 3).reshape(n, kb, 32)
-        raw = blocks[:, :16].reshape(n, kb, 2)
-        sc = torch.from_numpy(np.ascontiguousarray(raw & 15))  # 0..15: the same bytes as int8
-        mn = torch.from_numpy(np.ascontiguousarray(raw >> 4))
+        sc = torch.from_numpy(np.ascontiguousarray(blocks[:, :16])).view(n, kb, 2)  # scale | min << 4, as the file
         qs = _quad_crumbs(codes).view(torch.uint8).view(n, kb, 8)
-        return QuantWeight(fmt, (n, k), qs, half(80), half(82), None, None, sc, mn)
+        return QuantWeight(fmt, (n, k), qs, half(80), half(82), None, None, sc)
     if fmt == "q3_k":  # hmask [32], qs [64], 12 bytes of 6-bit scales, fp16 d (gguf.quants.Q3_K's order)
         # element 32 j + l of a super-block (block j, l 0..31): two low bits at bit 2 (j % 4) of qs byte
         # 32 (j // 4) + l, the third at bit j of hmask byte l; code = their 3 bits, value d * (sc - 32) * (code - 4)
@@ -385,7 +381,7 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     return QuantWeight(fmt, (n, k), qs, d, m, qh)
 
 
-_FIELDS = ("qs", "d", "m", "qh", "qh2", "sc", "mn")
+_FIELDS = ("qs", "d", "m", "qh", "qh2", "sc")
 _HUGE = 2 << 20  # a transparent huge page
 # Fields of at least this size stay where they are: numpy advises huge pages for arrays from 4 MB on, and
 # packing the Llama-3.2-1B shape's (all of its 813 MB) gained nothing measurable and took 1.75 s of its start-up.
@@ -477,7 +473,7 @@ _BITS = torch.arange(32, dtype=torch.int32)
 def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included: exactly gguf's values."""
     fields = qw.tensors() if rows is None else tuple(None if t is None else t[rows] for t in qw.tensors())
-    qs, d, m, qh, qh2, sc, mn = fields
+    qs, d, m, qh, qh2, sc = fields
     f = block_format(qw.fmt)
     if qw.fmt == "q8_0":
         q = qs.to(torch.int32)
@@ -501,13 +497,13 @@ def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     per_block = (d.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1)).unsqueeze(-1)  # [..., KB, 1]
     if qw.fmt == "iq4_xs":  # d * (6-bit scale - 32), exact in fp32
         return (q * per_block * sc.view(torch.int8).to(torch.float32)).flatten(-2)
-    if f.split:  # Q3_K, Q6_K: an int8 scale per 16 weights: d * scale, exact in fp32
+    if f.split and not f.split_min:  # Q3_K, Q6_K: an int8 scale per 16 weights: d * scale, exact in fp32
         scale = per_block * sc.view(torch.int8).to(torch.float32).repeat_interleave(16, dim=-1)
-        if not f.split_min:
-            return (q * scale).flatten(-2)
-        # Q2_K: minus dmin * its 4-bit minimum per 16 weights (exact in fp32), one rounding as gguf's
+        return (q * scale).flatten(-2)
+    if f.split_min:  # Q2_K: d * its 4-bit scale minus dmin * its 4-bit minimum per 16 weights, one rounding
+        scale = per_block * (sc & 15).to(torch.float32).repeat_interleave(16, dim=-1)
         dmin = m.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1).unsqueeze(-1)
-        return (q * scale - dmin * mn.to(torch.float32).repeat_interleave(16, dim=-1)).flatten(-2)
+        return (q * scale - dmin * (sc >> 4).to(torch.float32).repeat_interleave(16, dim=-1)).flatten(-2)
     dmin = m.to(torch.float32).repeat_interleave(SUPER // BLOCK, dim=-1).unsqueeze(-1)
     scale, minimum = per_block * sc[..., :1].to(torch.float32), dmin * sc[..., 1:].to(torch.float32)
     return (q * scale - minimum).flatten(-2)

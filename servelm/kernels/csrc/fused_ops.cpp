@@ -23,9 +23,8 @@
 namespace servelm_quant {
 at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
-                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc,
-                       const std::optional<at::Tensor>& mn, int64_t fmt, const std::optional<at::Tensor>& bias,
-                       int64_t isa, bool tiles);
+                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
+                       const std::optional<at::Tensor>& bias, int64_t isa, bool tiles);
 }  // namespace servelm_quant
 
 namespace servelm_fused {
@@ -555,16 +554,13 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   }
 }
 
-// Tensors a projection part takes in decode_layer's `weights`: servelm.kernels.quant.QuantWeight.tensors().
-constexpr int64_t kFields = 7;
-
 // One decoder layer's decode step (Llama family, fp32 activations, quantised weights, one rank) in one call:
 // what LlamaDecoderLayer.forward runs as ~10 torch ops and ~40 Python frames, here without the dispatcher.
 //   hidden, residual = add_rms_norm(hidden, residual) (rms_norm(hidden), hidden for the first layer)
 //   q = qkv_rotary_cache(qkv_proj(hidden)); out = o_proj(decode_attention(q))
 //   hidden, residual = add_rms_norm(out, residual); return down_proj(silu_and_mul(gate_up_proj(hidden))), residual
-// Each projection is one or more parts (runs of one format: a Q4_K_M file's Q4_K q/k beside a Q6_K v), seven
-// tensors a part in `weights` (qs, d, m, qh, qh2, sc, mn), `parts[i]` of them for projection i (qkv, o, gate_up,
+// Each projection is one or more parts (runs of one format: a Q4_K_M file's Q4_K q/k beside a Q6_K v), six
+// tensors a part in `weights` (qs, d, m, qh, qh2, sc), `parts[i]` of them for projection i (qkv, o, gate_up,
 // down), their formats in `fmts`; `biases` one per projection, sliced along the parts. Part p takes the
 // many-rows path (linear_tiles) from `tiles_from[p]` rows of x on (servelm.kernels.quant.tiles_min_rows).
 std::tuple<at::Tensor, at::Tensor> decode_layer(
@@ -579,7 +575,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   int64_t total = 0;
   for (int64_t n : parts) total += n;
   TORCH_CHECK(static_cast<int64_t>(fmts.size()) == total && static_cast<int64_t>(tiles_from.size()) == total &&
-                  static_cast<int64_t>(weights.size()) == kFields * total,
+                  static_cast<int64_t>(weights.size()) == 6 * total,
               "servelm_fused: decode_layer: ", weights.size(), " weight tensors for ", total, " parts");
   std::vector<int64_t> first(4, 0);
   for (int i = 1; i < 4; ++i) first[i] = first[i - 1] + parts[i - 1];
@@ -589,12 +585,11 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     std::vector<at::Tensor> outs;
     int64_t row = 0;
     for (int64_t p = first[i]; p < first[i] + parts[i]; ++p) {
-      const at::Tensor qs = *opt(kFields * p);
+      const at::Tensor qs = *opt(6 * p);
       std::optional<at::Tensor> b;
       if (bias.has_value() && bias->defined()) b = parts[i] == 1 ? *bias : bias->narrow(0, row, qs.size(0));
-      const int64_t at0 = kFields * p;
-      outs.push_back(servelm_quant::linear_call(x, qs, *opt(at0 + 1), opt(at0 + 2), opt(at0 + 3), opt(at0 + 4),
-                                                opt(at0 + 5), opt(at0 + 6), fmts[p], b, isa,
+      outs.push_back(servelm_quant::linear_call(x, qs, *opt(6 * p + 1), opt(6 * p + 2), opt(6 * p + 3),
+                                                opt(6 * p + 4), opt(6 * p + 5), fmts[p], b, isa,
                                                 x.size(0) >= tiles_from[p]));
       row += qs.size(0);
     }

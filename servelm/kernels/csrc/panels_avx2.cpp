@@ -80,7 +80,7 @@ void decode_panel(const QWeight& w, int64_t n, int rows, int64_t G, uint8_t* cod
       for (int64_t g = 0; g < nsb; ++g) {
         _mm256_storeu_ps(s0j + g * kGb, _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(w.d[row * nsb + g]))));
         const __m256i v = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (row * kb + g * kSuper) * 2)));
+            scale_bytes<F>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + (row * kb + g * kSuper) * 2))));
         __m256i* dst = reinterpret_cast<__m256i*>(s1j + g * kGb * kS1<F>);
         _mm256_storeu_si256(dst, _mm256_or_si256(_mm256_and_si256(v, lo16), _mm256_slli_epi32(v, 16)));
         _mm256_storeu_si256(dst + 1, _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_and_si256(v, hi16)));

@@ -60,7 +60,7 @@ static inline void row_scales_k(const QWeight& w, int64_t n, float* s0, float* s
       _mm256_storeu_ps(s0 + sb * kSuper, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))));
       continue;
     }
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * kSuper));
+    const __m128i raw = scale_bytes<F>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * kSuper)));
     float* a = s0 + sb * kSuper;
     float* b = s1 + sb * kSuper;
     if constexpr (Traits<F>::split) {
@@ -383,7 +383,7 @@ static void micro_i8k(const XQ& x, const QWeight& w, int64_t n, int64_t i0, cons
   const bool ahead = n + kAhead < w.N;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     // the super-block's 8 scale-byte pairs as int16 pairs per int32 lane j (block j): (s, s) for vpmaddwd
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * 16));
+    const __m128i raw = scale_bytes<F>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * 16)));
     const __m256i v = Traits<F>::split ? _mm256_cvtepi8_epi16(raw) : _mm256_cvtepu8_epi16(raw);  // (s0, min | s1)
     const __m256i s0 = _mm256_or_si256(_mm256_and_si256(v, lo16), _mm256_slli_epi32(v, 16));
     const __m256i s1 = _mm256_or_si256(_mm256_srli_epi32(v, 16), _mm256_and_si256(v, hi16));  // (min | s1) x2

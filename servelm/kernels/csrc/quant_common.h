@@ -56,6 +56,9 @@ struct Traits {
   static constexpr bool crumb_codes = F == Q2_K || F == Q3_K;
   static constexpr int crumb_base = F == Q2_K ? 4 : 0;
   static constexpr int plane_value = F == Q3_K ? 4 : 16;  // what plane 0's bit adds (plane 1's: 32)
+  // Q2_K: each scale byte (sc, one per 16 weights) holds the 4-bit scale in its low nibble and the 4-bit minimum
+  // in its high one, as the file does; the scale readers mask it (scale_bytes), the minimum term shifts it
+  static constexpr bool packed_min = F == Q2_K;
   // IQ4_NL, IQ4_XS: a nibble indexes a table of 16 int8 values (llama.cpp's kvalues_iq4nl), kept as value + 128
   // so that the int8 kernels' vpdpbusd reads it as an unsigned code (one vpshufb a vector), with the offset 128.
   static constexpr bool lut = F == IQ4_NL || F == IQ4_XS;
@@ -103,6 +106,7 @@ SERVELM_TRAIT(fmt_sc_bytes, sc_bytes)
 SERVELM_TRAIT(fmt_crumb_codes, crumb_codes)
 SERVELM_TRAIT(fmt_crumb_base, crumb_base)
 SERVELM_TRAIT(fmt_plane_value, plane_value)
+SERVELM_TRAIT(fmt_packed_min, packed_min)
 #undef SERVELM_TRAIT
 
 // The lookup formats' codes (IQ4_NL, IQ4_XS in llama.cpp): kvalues_iq4nl + 128, so code - offset (128) is the
@@ -132,6 +136,18 @@ struct QWeight {
   int64_t KB;
   Fmt fmt;
 };
+
+// Scale bytes as the kernels read them: Q2_K's low nibbles (its minimums masked off), the others' as they are.
+template <Fmt F>
+inline __m128i scale_bytes(__m128i raw) {
+  if constexpr (Traits<F>::packed_min) return _mm_and_si128(raw, _mm_set1_epi8(15));
+  return raw;
+}
+template <Fmt F>
+__attribute__((target("avx2"))) inline __m256i scale_bytes(__m256i raw) {
+  if constexpr (Traits<F>::packed_min) return _mm256_and_si256(raw, _mm256_set1_epi8(15));
+  return raw;
+}
 
 // Plane words per row (Q6_K: crumb words, four a quad).
 inline int64_t plane_stride(const QWeight& w) { return (w.KB + 3) / 4 * (fmt_crumbs(w.fmt) ? 4 : 2); }
@@ -370,9 +386,10 @@ inline void row_scales_ref(const QWeight& w, int64_t n, float* s0, float* s1, in
     const uint8_t* sc = w.sc + (n * kb + b) * fmt_sc_bytes(f);
     if (fmt_lut(f)) {  // IQ4_XS: d * (6-bit scale - 32), exact
       s0[b] = d * static_cast<float>(static_cast<int8_t>(sc[0]));
-    } else if (split) {  // int8 scales of the two halves (d fp16 x int8: exact in fp32)
-      s0[b] = d * static_cast<float>(static_cast<int8_t>(sc[0]));
-      s1[b] = d * static_cast<float>(static_cast<int8_t>(sc[1]));
+    } else if (split) {  // int8 scales of the two halves (d fp16 x int8: exact in fp32); Q2_K's low nibbles
+      const bool packed = fmt_packed_min(f);
+      s0[b] = d * static_cast<float>(packed ? sc[0] & 15 : static_cast<int8_t>(sc[0]));
+      s1[b] = d * static_cast<float>(packed ? sc[1] & 15 : static_cast<int8_t>(sc[1]));
     } else {  // 6-bit scale and minimum: value = d * sc * q - dmin * mn
       s0[b] = d * static_cast<float>(sc[0]);
       s1[b] = -(half_to_float(w.m[sb]) * static_cast<float>(sc[1]));

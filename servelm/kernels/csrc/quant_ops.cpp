@@ -332,12 +332,12 @@ void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16
   }
 }
 
-// The weight view after checking the op's arguments, and *mnp Q2_K's minimums per 16 weights (otherwise
-// nullptr).
+// The weight view after checking the op's arguments, and *mnp Q2_K's minimums per 16 weights (the high nibbles
+// of its scale bytes; otherwise nullptr).
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                 const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
-                const std::optional<at::Tensor>& sc, const std::optional<at::Tensor>& mn, int64_t fmt,
-                const std::optional<at::Tensor>& bias, const float** bp, const uint8_t** mnp) {
+                const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
+                const float** bp, const uint8_t** mnp) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
   TORCH_CHECK(fmt >= 0 && fmt < kNumFmts, "unknown format ", fmt);
@@ -354,11 +354,7 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   const auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   const bool split_min = f == Q2_K;
   TORCH_CHECK(present(m) == (fmt_has_min(f) || split_min), "m is given exactly for the formats with a minimum");
-  TORCH_CHECK(present(mn) == split_min, "mn is given exactly for Q2_K");
-  if (split_min)
-    TORCH_CHECK(mn->is_contiguous() && mn->element_size() == 1 && mn->dim() == 3 && mn->size(0) == N &&
-                mn->size(1) == KB && mn->size(2) == 2, "mn layout: uint8 [N, KB, 2]");
-  *mnp = split_min ? static_cast<const uint8_t*>(mn->data_ptr()) : nullptr;
+  *mnp = split_min && present(sc) ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr;
   if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
   const int planes = fmt_planes(f);
   const bool crumbs = fmt_crumbs(f);  // Q6_K: one field of crumbs, four words a quad
@@ -459,8 +455,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 split_min_v(c
                                                                               int j, int64_t sb) {
   const int64_t nsb = KB / kSuper;
   if constexpr (kTable) return _mm512_loadu_ps(vt + (j * nsb + sb) * 16);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                           reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2)))),
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                           reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2))), 4)),
                        _mm512_set1_ps(dmin[j * nsb + sb]));
 }
 
@@ -534,8 +530,9 @@ __attribute__((target("avx2,fma"))) inline void split_min_tile_avx2(const float*
       const __m128i raw =
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2));
       const __m256 dm = _mm256_set1_ps(dmin[j * nsb + sb]);
-      const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), dm);
-      const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8))), dm);
+      const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(raw), 4)), dm);
+      const __m256 v1 =
+          _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8)), 4)), dm);
       for (int r = 0; r < R; ++r) {
         const float* xp = xs + (i0 + r) * 2 * KB + sb * 16;
         a0[j][r] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(xp), a0[j][r]);
@@ -589,7 +586,7 @@ void split_min_scalar(const float* xs, int64_t M, const QWeight& w, const uint8_
         const float dm = half_to_float(w.m[n * nsb + sb]);
         float t = 0.0f;
         for (int h = 0; h < 16; ++h)
-          t += (dm * static_cast<float>(mn[(n * KB + sb * kSuper) * 2 + h])) * xs[i * 2 * KB + sb * 16 + h];
+          t += (dm * static_cast<float>(mn[(n * KB + sb * kSuper) * 2 + h] >> 4)) * xs[i * 2 * KB + sb * 16 + h];
         acc += t;
       }
       y[i * w.N + n] -= acc;
@@ -621,11 +618,11 @@ T* scratch(int slot, int64_t count) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                   const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
-                  const std::optional<at::Tensor>& sc, const std::optional<at::Tensor>& mn, int64_t fmt,
-                  const std::optional<at::Tensor>& bias, int64_t isa) {
+                  const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
+                  int64_t isa) {
   const float* bp;
   const uint8_t* mnp;
-  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, &bp, &mnp);
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp, &mnp);
   const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -642,11 +639,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const SplitMinFn minfn = split_min_for(isa);
   const auto over_rows = [&](auto&& gemm) {
     over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-      if (mnp) {  // the minimums of these rows into L2 while the kernel runs (the kernel does not read them)
-        for (int64_t at = n0 * KB * 2; at < n1 * KB * 2; at += 64) __builtin_prefetch(mnp + at, 0, 2);
+      if (mnp)  // the dmin of these rows into L2 while the kernel runs (the kernel does not read them)
         for (int64_t at = n0 * (KB / kSuper) * 2; at < n1 * (KB / kSuper) * 2; at += 64)
           __builtin_prefetch(reinterpret_cast<const uint8_t*>(w.m) + at, 0, 2);
-      }
       gemm(n0, n1);
       if (mnp) minfn(xs, M, w, mnp, y.data_ptr<float>(), n0, n1);
     });
@@ -730,12 +725,11 @@ at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float*
 
 at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                         const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
-                        const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc,
-                        const std::optional<at::Tensor>& mn, int64_t fmt, const std::optional<at::Tensor>& bias,
-                        int64_t isa) {
+                        const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
+                        const std::optional<at::Tensor>& bias, int64_t isa) {
   const float* bp;
   const uint8_t* mnp;
-  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, &bp, &mnp);
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp, &mnp);
   at::Tensor y = linear_tiles_body(x, w, bp, isa);
   if (mnp && y.numel()) {  // the panel GEMM rounds x as the micro-kernel does; the fp32 tiles do not round it
     const HalfSums how = !panel_for(isa, w.fmt) ? HalfSums::kRaw
@@ -828,21 +822,19 @@ at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float*
 // For the fused decoder-layer op (fused_ops.cpp): the two entry points without the dispatcher.
 at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
-                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc,
-                       const std::optional<at::Tensor>& mn, int64_t fmt, const std::optional<at::Tensor>& bias,
-                       int64_t isa, bool tiles) {
-  return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, isa)
-               : linear(x, qs, d, m, qh, qh2, sc, mn, fmt, bias, isa);
+                       const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
+                       const std::optional<at::Tensor>& bias, int64_t isa, bool tiles) {
+  return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, fmt, bias, isa) : linear(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);
 }
 
 }  // namespace servelm_quant
 
 TORCH_LIBRARY(servelm_quant, lib) {
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
-  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, Tensor? mn, int fmt, "
-          "Tensor? bias, int isa) -> Tensor",
+  lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
+          "int isa) -> Tensor",
           &servelm_quant::linear);
-  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, Tensor? mn, "
-          "int fmt, Tensor? bias, int isa) -> Tensor",
+  lib.def("linear_tiles(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
+          "int isa) -> Tensor",
           &servelm_quant::linear_tiles);
 }
