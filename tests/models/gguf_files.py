@@ -32,6 +32,22 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _scale_and_min(sub: np.ndarray, top: int, smax: int) -> tuple[np.ndarray, ...]:
+    """Plain min/max rounding per sub-block (the last axis) with a minimum, as Q2_K's and Q4_K's: codes 0..top,
+    the sub-blocks' scales and minimums integers 0..smax times the super-block's fp16 d and dmin. Returns d,
+    dmin, the scales, the minimums and the codes (uint8)."""
+    lo = np.minimum(sub.min(-1), 0.0)
+    span = (sub.max(-1) - lo) / top
+    d = (span.max(-1, keepdims=True) / smax).astype(np.float16)
+    dmin = (-lo.min(-1, keepdims=True) / smax).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.round(span / d.astype(np.float32))), 0, smax).astype(np.uint8)
+        mn = np.clip(np.nan_to_num(np.round(-lo / dmin.astype(np.float32))), 0, smax).astype(np.uint8)
+        step = (d.astype(np.float32) * sc)[..., None]
+        q = np.nan_to_num(np.round((sub + (dmin.astype(np.float32) * mn)[..., None]) / step))
+    return d, dmin, sc, mn, np.clip(q, 0, top).astype(np.uint8)
+
+
 def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
     """Q2_K, Q3_K, Q4_K or Q6_K blocks of a float [N, K] array (K a multiple of 256), uint8 [N, bytes_per_row].
 
@@ -41,33 +57,14 @@ def quantize_k(arr: np.ndarray, qtype: str) -> np.ndarray:
     n, k = arr.shape
     x = arr.astype(np.float32).reshape(n * k // 256, 256)
     if qtype == "Q4_K":
-        sub = x.reshape(-1, 8, 32)
-        lo = np.minimum(sub.min(-1), 0.0)
-        span = (sub.max(-1) - lo) / 15
-        d = (span.max(-1, keepdims=True) / 63).astype(np.float16)
-        dmin = (-lo.min(-1, keepdims=True) / 63).astype(np.float16)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            sc = np.clip(np.nan_to_num(np.round(span / d.astype(np.float32))), 0, 63).astype(np.uint8)
-            mn = np.clip(np.nan_to_num(np.round(-lo / dmin.astype(np.float32))), 0, 63).astype(np.uint8)
-            step = (d.astype(np.float32) * sc)[..., None]
-            q = np.nan_to_num(np.round((sub + (dmin.astype(np.float32) * mn)[..., None]) / step))
-        q = np.clip(q, 0, 15).astype(np.uint8)  # [blocks, 8, 32]
+        d, dmin, sc, mn, q = _scale_and_min(x.reshape(-1, 8, 32), 15, 63)  # q: [blocks, 8, 32]
         scales = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (mn[:, :4] & 63) | ((mn[:, 4:] >> 4) << 6),
                                  (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
         qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # sub-block 2c low nibbles, 2c + 1 high ones
         blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), scales, qs], axis=1)
     elif qtype == "Q2_K":  # scales [16] (4-bit scale | 4-bit min << 4), qs [64], fp16 d, dmin
-        sub = x.reshape(-1, 16, 16)
-        lo = np.minimum(sub.min(-1), 0.0)
-        span = (sub.max(-1) - lo) / 3
-        d = (span.max(-1, keepdims=True) / 15).astype(np.float16)
-        dmin = (-lo.min(-1, keepdims=True) / 15).astype(np.float16)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            sc = np.clip(np.nan_to_num(np.round(span / d.astype(np.float32))), 0, 15).astype(np.uint8)
-            mn = np.clip(np.nan_to_num(np.round(-lo / dmin.astype(np.float32))), 0, 15).astype(np.uint8)
-            step = (d.astype(np.float32) * sc)[..., None]
-            q = np.nan_to_num(np.round((sub + (dmin.astype(np.float32) * mn)[..., None]) / step))
-        code = np.clip(q, 0, 3).astype(np.uint8).reshape(-1, 2, 4, 32)  # element 32 (4 h + s) + l: bits 2 s of
+        d, dmin, sc, mn, q = _scale_and_min(x.reshape(-1, 16, 16), 3, 15)
+        code = q.reshape(-1, 2, 4, 32)  # element 32 (4 h + s) + l: bits 2 s of
         qs = (code << (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]).sum(2, dtype=np.uint8)  # 32 h + l
         blocks = np.concatenate([sc | (mn << 4), qs.reshape(-1, 64), d.view(np.uint8), dmin.view(np.uint8)], axis=1)
     elif qtype == "Q6_K":
