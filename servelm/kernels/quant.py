@@ -318,7 +318,8 @@ def _from_k_rows(blocks: np.ndarray, fmt: str, n: int, k: int) -> QuantWeight:
     if fmt == "q2_k":  # scales [16] (4-bit scale | 4-bit min << 4, one per 16 weights), qs [64], fp16 d, dmin
         # element 32 j + l (block j, l 0..31): two bits at bit 2 (j % 4) of qs byte 32 (j // 4) + l, as Q3_K's
         # low bits; value d * sc * q - dmin * mn. The codes as crumbs (Q6_K's high bits' layout), which the
-        # kernels read + 4 and compute as Q3_K's (d * sc) * (code - 4); the minimums per 16 weights apart (mn).
+        # kernels read + 4 and compute as Q3_K's (d * sc) * (code - 4); the scale bytes as they are, whose high
+        # nibbles (the minimums) the kernels' minimum term reads.
         low = blocks[:, 16:80].reshape(b, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
         codes = (low.reshape(b, 8, 32) & 3).reshape(n, kb, 32)
         sc = torch.from_numpy(np.ascontiguousarray(blocks[:, :16])).view(n, kb, 2)  # scale | min << 4, as the file
