@@ -332,12 +332,11 @@ void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16
   }
 }
 
-// The weight view after checking the op's arguments, and *mnp Q2_K's minimums per 16 weights (the high nibbles
-// of its scale bytes; otherwise nullptr).
+// The weight view after checking the op's arguments.
 QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                 const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
                 const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
-                const float** bp, const uint8_t** mnp) {
+                const float** bp) {
   TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
   TORCH_CHECK(fmt >= 0 && fmt < kNumFmts, "unknown format ", fmt);
@@ -352,9 +351,7 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
   TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.dim() == 2 && d.size(0) == N &&
               d.size(1) == scales, "d layout");
   const auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
-  const bool split_min = f == Q2_K;
-  TORCH_CHECK(present(m) == (fmt_has_min(f) || split_min), "m is given exactly for the formats with a minimum");
-  *mnp = split_min && present(sc) ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr;
+  TORCH_CHECK(present(m) == (fmt_has_min(f) || f == Q2_K), "m is given exactly for the formats with a minimum");
   if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->sizes() == d.sizes(), "m layout");
   const int planes = fmt_planes(f);
   const bool crumbs = fmt_crumbs(f);  // Q6_K: one field of crumbs, four words a quad
@@ -382,9 +379,10 @@ QWeight checked(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, 
                  kq ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, N, KB, f};
 }
 
-// Q2_K's minimum term: value = (d * sc) * q - dmin * mn per 16 weights; the kernel computed the first part (as
-// Q3_K's arithmetic), this subtracts sum over the halves h of dmin * mn_h * (x's sum over h), each output still one fixed
-// sequence of operations on its own rows (batch-invariant). x's sums are those of the codes the path rounded x to
+// Q2_K's minimum term: value = (d * sc) * q - dmin * mn per 16 weights (sc, mn: the low and high nibbles of its
+// scale bytes, w.sc); the kernel computed the first part (as Q3_K's arithmetic), this subtracts sum over the halves
+// h of dmin * mn_h * (x's sum over h), each output still one fixed sequence of operations on its own rows
+// (batch-invariant). x's sums are those of the codes the path rounded x to
 // (as quant_block_i8's for the other formats' minimums, and llama.cpp's Q8_K sums): then a row's error is
 // sum(w * e) (e: x's rounding), where x's own sums left sum(d * sc * q * e), q in 0..3 not centred: on the
 // tiny Q2_K model of tests/models/test_quantized_layers.py the int8 scheme's logits were 4.3% off fp32's with
@@ -393,12 +391,16 @@ enum class HalfSums { kRaw, kInt16, kInt8, kInt8Super };
 
 // xs [M][2 KB]: x's sums over each 16 weights, of the values as `how` rounds them: kRaw x itself (the fp32 tiles),
 // kInt16 prep_row's power-of-two codes, kInt8 quant_block_i8's, kInt8Super quant_super_i8's (super_x).
-void half_sums(const float* x, int64_t M, int64_t KB, HalfSums how, float* xs) {
+at::Tensor half_sums(const at::Tensor& x, int64_t KB, HalfSums how) {
+  const int64_t M = x.size(0);
+  at::Tensor out_t = at::empty({M, 2 * KB}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* xs = out_t.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
     std::vector<int16_t> q16(how == HalfSums::kInt16 ? KB * kBlock : 0);
     std::vector<float> s16(how == HalfSums::kInt16 ? KB : 0);
     for (int64_t i = m0; i < m1; ++i) {
-      const float* xr = x + i * KB * kBlock;
+      const float* xr = xp + i * KB * kBlock;
       float* out = xs + i * 2 * KB;
       if (how == HalfSums::kRaw) {
         for (int64_t h = 0; h < 2 * KB; ++h) {
@@ -440,6 +442,7 @@ void half_sums(const float* x, int64_t M, int64_t KB, HalfSums how, float* xs) {
       }
     }
   });
+  return out_t;
 }
 
 // y[i, n] -= sum over super-blocks of (dmin * mn_h) . xs[i, h] for rows [n0, n1): 16 lanes (a super-block's
@@ -450,19 +453,18 @@ void half_sums(const float* x, int64_t M, int64_t KB, HalfSums how, float* xs) {
 // (dmin * mn) of row n + j, super-block sb: from the weights, or (vt) from a table of them made once for many
 // rows of x (then one load where it took four ops)
 template <bool kTable>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 split_min_v(const uint8_t* mn, const float* dmin,
-                                                                              const float* vt, int64_t KB, int64_t n,
-                                                                              int j, int64_t sb) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 split_min_v(
+    const uint8_t* sc, const float* dmin, const float* vt, int64_t KB, int64_t n, int j, int64_t sb) {
   const int64_t nsb = KB / kSuper;
   if constexpr (kTable) return _mm512_loadu_ps(vt + (j * nsb + sb) * 16);
   return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                           reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2))), 4)),
+                           reinterpret_cast<const __m128i*>(sc + ((n + j) * KB + sb * kSuper) * 2))), 4)),
                        _mm512_set1_ps(dmin[j * nsb + sb]));
 }
 
 template <int NR, int R, bool kTable>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void split_min_tile_avx512(
-    const float* xs, const QWeight& w, const uint8_t* mn, const float* dmin, const float* vt, float* y, int64_t n,
+    const float* xs, const QWeight& w, const float* dmin, const float* vt, float* y, int64_t n,
     int64_t i0) {
   const int64_t KB = w.KB, nsb = KB / kSuper;
   __m512 acc[NR][R];
@@ -470,7 +472,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void split_min_tile_
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb)
     for (int j = 0; j < NR; ++j) {
-      const __m512 v = split_min_v<kTable>(mn, dmin, vt, KB, n, j, sb);
+      const __m512 v = split_min_v<kTable>(w.sc, dmin, vt, KB, n, j, sb);
       for (int r = 0; r < R; ++r)
         acc[j][r] = _mm512_fmadd_ps(v, _mm512_loadu_ps(xs + (i0 + r) * 2 * KB + sb * 16), acc[j][r]);
     }
@@ -480,7 +482,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void split_min_tile_
 
 template <int NR, bool kTable>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void split_min_rows_avx512(
-    const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n, float* dmin, float* vt) {
+    const float* xs, int64_t M, const QWeight& w, float* y, int64_t n, float* dmin, float* vt) {
   const int64_t nsb = w.KB / kSuper;
   for (int j = 0; j < NR; ++j)
     for (int64_t sb = 0; sb < nsb; sb += 16) {  // the rows' dmin as fp32, 16 at a time (exact conversion)
@@ -490,18 +492,18 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void split_min_rows_avx512(
   if constexpr (kTable)
     for (int j = 0; j < NR; ++j)
       for (int64_t sb = 0; sb < nsb; ++sb)
-        _mm512_storeu_ps(vt + (j * nsb + sb) * 16, split_min_v<false>(mn, dmin, vt, w.KB, n, j, sb));
+        _mm512_storeu_ps(vt + (j * nsb + sb) * 16, split_min_v<false>(w.sc, dmin, vt, w.KB, n, j, sb));
   for (int64_t i = 0; i < M; i += 4) {
     switch (std::min<int64_t>(4, M - i)) {
-      case 4: split_min_tile_avx512<NR, 4, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
-      case 3: split_min_tile_avx512<NR, 3, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
-      case 2: split_min_tile_avx512<NR, 2, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
-      default: split_min_tile_avx512<NR, 1, kTable>(xs, w, mn, dmin, vt, y, n, i); break;
+      case 4: split_min_tile_avx512<NR, 4, kTable>(xs, w, dmin, vt, y, n, i); break;
+      case 3: split_min_tile_avx512<NR, 3, kTable>(xs, w, dmin, vt, y, n, i); break;
+      case 2: split_min_tile_avx512<NR, 2, kTable>(xs, w, dmin, vt, y, n, i); break;
+      default: split_min_tile_avx512<NR, 1, kTable>(xs, w, dmin, vt, y, n, i); break;
     }
   }
 }
 
-void split_min_avx512(const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n0,
+void split_min_avx512(const float* xs, int64_t M, const QWeight& w, float* y, int64_t n0,
                       int64_t n1) {
   const int64_t nsb = w.KB / kSuper;
   thread_local std::vector<float> dmin, vt;
@@ -510,16 +512,16 @@ void split_min_avx512(const float* xs, int64_t M, const QWeight& w, const uint8_
   if (table) vt.resize(4 * nsb * 16);
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4)
-    table ? split_min_rows_avx512<4, true>(xs, M, w, mn, y, n, dmin.data(), vt.data())
-          : split_min_rows_avx512<4, false>(xs, M, w, mn, y, n, dmin.data(), nullptr);
+    table ? split_min_rows_avx512<4, true>(xs, M, w, y, n, dmin.data(), vt.data())
+          : split_min_rows_avx512<4, false>(xs, M, w, y, n, dmin.data(), nullptr);
   for (; n < n1; ++n)
-    table ? split_min_rows_avx512<1, true>(xs, M, w, mn, y, n, dmin.data(), vt.data())
-          : split_min_rows_avx512<1, false>(xs, M, w, mn, y, n, dmin.data(), nullptr);
+    table ? split_min_rows_avx512<1, true>(xs, M, w, y, n, dmin.data(), vt.data())
+          : split_min_rows_avx512<1, false>(xs, M, w, y, n, dmin.data(), nullptr);
 }
 
 template <int NR, int R>
 __attribute__((target("avx2,fma"))) inline void split_min_tile_avx2(const float* xs, const QWeight& w,
-                                                                    const uint8_t* mn, const float* dmin,
+                                                                    const float* dmin,
                                                                     float* y, int64_t n, int64_t i0) {
   const int64_t KB = w.KB, nsb = KB / kSuper;
   __m256 a0[NR][R], a1[NR][R];
@@ -528,7 +530,7 @@ __attribute__((target("avx2,fma"))) inline void split_min_tile_avx2(const float*
   for (int64_t sb = 0; sb < nsb; ++sb)
     for (int j = 0; j < NR; ++j) {
       const __m128i raw =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + ((n + j) * KB + sb * kSuper) * 2));
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.sc + ((n + j) * KB + sb * kSuper) * 2));
       const __m256 dm = _mm256_set1_ps(dmin[j * nsb + sb]);
       const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_cvtepu8_epi32(raw), 4)), dm);
       const __m256 v1 =
@@ -550,7 +552,7 @@ __attribute__((target("avx2,fma"))) inline void split_min_tile_avx2(const float*
 
 template <int NR>
 __attribute__((target("avx2,fma,f16c"))) void split_min_rows_avx2(const float* xs, int64_t M, const QWeight& w,
-                                                                  const uint8_t* mn, float* y, int64_t n,
+                                                                  float* y, int64_t n,
                                                                   float* dmin) {
   const int64_t nsb = w.KB / kSuper;
   for (int j = 0; j < NR; ++j) {
@@ -561,22 +563,22 @@ __attribute__((target("avx2,fma,f16c"))) void split_min_rows_avx2(const float* x
     for (; sb < nsb; ++sb) dmin[j * nsb + sb] = half_to_float(w.m[(n + j) * nsb + sb]);
   }
   for (int64_t i = 0; i < M; i += 2) {
-    if (M - i >= 2) split_min_tile_avx2<NR, 2>(xs, w, mn, dmin, y, n, i);
-    else split_min_tile_avx2<NR, 1>(xs, w, mn, dmin, y, n, i);
+    if (M - i >= 2) split_min_tile_avx2<NR, 2>(xs, w, dmin, y, n, i);
+    else split_min_tile_avx2<NR, 1>(xs, w, dmin, y, n, i);
   }
 }
 
-void split_min_avx2(const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n0,
+void split_min_avx2(const float* xs, int64_t M, const QWeight& w, float* y, int64_t n0,
                     int64_t n1) {
   thread_local std::vector<float> dmin;
   dmin.resize(2 * (w.KB / kSuper) + 8);
   int64_t n = n0;
-  for (; n + 2 <= n1; n += 2) split_min_rows_avx2<2>(xs, M, w, mn, y, n, dmin.data());
-  for (; n < n1; ++n) split_min_rows_avx2<1>(xs, M, w, mn, y, n, dmin.data());
+  for (; n + 2 <= n1; n += 2) split_min_rows_avx2<2>(xs, M, w, y, n, dmin.data());
+  for (; n < n1; ++n) split_min_rows_avx2<1>(xs, M, w, y, n, dmin.data());
 }
 #endif
 
-void split_min_scalar(const float* xs, int64_t M, const QWeight& w, const uint8_t* mn, float* y, int64_t n0,
+void split_min_scalar(const float* xs, int64_t M, const QWeight& w, float* y, int64_t n0,
                       int64_t n1) {
   const int64_t KB = w.KB, nsb = KB / kSuper;
   for (int64_t n = n0; n < n1; ++n)
@@ -586,14 +588,14 @@ void split_min_scalar(const float* xs, int64_t M, const QWeight& w, const uint8_
         const float dm = half_to_float(w.m[n * nsb + sb]);
         float t = 0.0f;
         for (int h = 0; h < 16; ++h)
-          t += (dm * static_cast<float>(mn[(n * KB + sb * kSuper) * 2 + h] >> 4)) * xs[i * 2 * KB + sb * 16 + h];
+          t += (dm * static_cast<float>(w.sc[(n * KB + sb * kSuper) * 2 + h] >> 4)) * xs[i * 2 * KB + sb * 16 + h];
         acc += t;
       }
       y[i * w.N + n] -= acc;
     }
 }
 
-using SplitMinFn = void (*)(const float*, int64_t, const QWeight&, const uint8_t*, float*, int64_t, int64_t);
+using SplitMinFn = void (*)(const float*, int64_t, const QWeight&, float*, int64_t, int64_t);
 SplitMinFn split_min_for(int64_t isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   if (base_isa(isa) >= kAvx512) return split_min_avx512;
@@ -621,29 +623,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
                   const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
                   int64_t isa) {
   const float* bp;
-  const uint8_t* mnp;
-  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp, &mnp);
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
   const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const GemmFn fn = gemm_for(isa);
   // Q2_K: the minimum term right after the kernel, on the same thread's rows (x's half sums: its own scratch)
-  at::Tensor xs_t;
-  if (mnp) {
-    xs_t = at::empty({M, 2 * KB}, x.options());
-    const HalfSums how = super_x(isa, w.fmt) ? HalfSums::kInt8Super
-                         : int8_for(isa, w.fmt) ? HalfSums::kInt8 : HalfSums::kInt16;
-    half_sums(x.data_ptr<float>(), M, KB, how, xs_t.data_ptr<float>());
-  }
-  const float* xs = mnp ? xs_t.data_ptr<float>() : nullptr;
+  const bool split_min = w.fmt == Q2_K;
+  const at::Tensor xs_t = split_min ? half_sums(x, KB, super_x(isa, w.fmt)    ? HalfSums::kInt8Super
+                                                       : int8_for(isa, w.fmt) ? HalfSums::kInt8
+                                                                              : HalfSums::kInt16)
+                                    : at::Tensor();
+  const float* xs = split_min ? xs_t.data_ptr<float>() : nullptr;
   const SplitMinFn minfn = split_min_for(isa);
   const auto over_rows = [&](auto&& gemm) {
     over_weight_rows(N, [&](int64_t n0, int64_t n1) {
-      if (mnp)  // the dmin of these rows into L2 while the kernel runs (the kernel does not read them)
+      if (split_min)  // the dmin of these rows into L2 while the kernel runs (the kernel does not read them)
         for (int64_t at = n0 * (KB / kSuper) * 2; at < n1 * (KB / kSuper) * 2; at += 64)
           __builtin_prefetch(reinterpret_cast<const uint8_t*>(w.m) + at, 0, 2);
       gemm(n0, n1);
-      if (mnp) minfn(xs, M, w, mnp, y.data_ptr<float>(), n0, n1);
+      if (split_min) minfn(xs, M, w, y.data_ptr<float>(), n0, n1);
     });
   };
   const bool wide = base_isa(isa) >= kAvx512, has_m = fmt_has_min(w.fmt);
@@ -728,22 +727,20 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                         const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
                         const std::optional<at::Tensor>& bias, int64_t isa) {
   const float* bp;
-  const uint8_t* mnp;
-  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp, &mnp);
+  const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
   at::Tensor y = linear_tiles_body(x, w, bp, isa);
-  if (mnp && y.numel()) {  // the panel GEMM rounds x as the micro-kernel does; the fp32 tiles do not round it
+  if (w.fmt == Q2_K && y.numel()) {  // the panel GEMM rounds x as the micro-kernel does; the fp32 tiles do not round it
     const HalfSums how = !panel_for(isa, w.fmt) ? HalfSums::kRaw
                          : super_x(isa, w.fmt) ? HalfSums::kInt8Super : HalfSums::kInt8;
     // The same tiles as the micro-kernel's minimum term (with the (dmin * mn) vectors made once a weight row
-    // for all of x's rows): 1.23-1.28x the Q3_K-view panel's time at 128 x 8192 x 2048 and 128 x 2048 x 8192,
-    // where an fp32 GEMM (addmm) over a (dmin * mn) matrix made for the call took 1.35-1.37x.
+    // for all of x's rows): the panel's time 1.23-1.28x that of a Q3_K weight of the same shape at 128 x 8192 x
+    // 2048 and 128 x 2048 x 8192, where an fp32 GEMM (addmm) over a (dmin * mn) matrix made per call took 1.35-1.37x.
     const int64_t M = x.size(0);
-    at::Tensor xs = at::empty({M, 2 * w.KB}, x.options());
-    half_sums(x.data_ptr<float>(), M, w.KB, how, xs.data_ptr<float>());
+    const at::Tensor xs = half_sums(x, w.KB, how);
     const SplitMinFn minfn = split_min_for(isa);
     float* yp = y.data_ptr<float>();
     const float* xp = xs.data_ptr<float>();
-    over_weight_rows(w.N, [&](int64_t n0, int64_t n1) { minfn(xp, M, w, mnp, yp, n0, n1); });
+    over_weight_rows(w.N, [&](int64_t n0, int64_t n1) { minfn(xp, M, w, yp, n0, n1); });
   }
   return y;
 }

@@ -73,6 +73,10 @@ static inline void group_bytes(const QWeight& w, int64_t t0, int g, int64_t b, i
   regroup16(rows, 16, out);
 }
 
+// Bytes of codes a block as group_bytes hands them out: the payload, or for the crumb formats (Q2_K, Q3_K) the 16
+// bytes of nibble pairs it makes of them.
+static inline int code_bytes(Fmt f) { return fmt_crumb_codes(f) ? 16 : static_cast<int>(fmt_payload(f)); }
+
 // Plane p's words of the 16 rows of group g, block b (zeros for rows past N or no such plane).
 static inline __m512i group_plane(int p, const QWeight& w, int64_t t0, int g, int64_t b) {
   if (fmt_planes(w.fmt) <= p) return _mm512_setzero_si512();
@@ -139,7 +143,7 @@ static inline void store_ps(float* o, __m512i q, __m512 dv, const __m512* mv) {
 
 // Block b of the tile's rows, dequantised into out[k][64] (k = 0..31 of the block, row stride kTile).
 static void dequant_block(const QWeight& w, int64_t t0, int64_t b, const TileScales& sc, float* out) {
-  const int payload = fmt_crumb_codes(w.fmt) ? 16 : fmt_payload(w.fmt);  // Q2_K, Q3_K: as nibbles (group_bytes)
+  const int payload = code_bytes(w.fmt);
   const CodeTable table(w.fmt);
   const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   for (int g = 0; g < kGroups; ++g) {
@@ -202,7 +206,7 @@ static inline void store_rows(__m512 (&acc)[R][4], float* y, int64_t ldy, const 
 template <int R>
 static inline void group_block(const QWeight& w, int64_t t0, int g, int64_t b, const TileScales& sc, const float* x,
                                int64_t kp, __m512 (&acc)[R]) {
-  const int payload = fmt_crumb_codes(w.fmt) ? 16 : fmt_payload(w.fmt);  // Q2_K, Q3_K: as nibbles (group_bytes)
+  const int payload = code_bytes(w.fmt);
   const CodeTable table(w.fmt);
   const bool has_min = fmt_has_min(w.fmt), split = fmt_split(w.fmt);
   const __m512 dv = _mm512_loadu_ps(sc.d.data() + b * kTile + g * 16);
