@@ -155,6 +155,32 @@ def test_decode_attention_bits_ignore_threads_and_batch() -> None:
 
 
 @pytest.mark.parametrize("name", STORED)
+@pytest.mark.parametrize(("group", "D"), [(3, 64), (2, 40)])
+def test_verify_rows_share_their_keys_and_keep_their_bits(isa: int, name: str, group: int, D: int) -> None:
+    """A speculating request's verify rows (the same slots, each row one key more) are attended to together, a
+    chunk's keys read once for all of them; every row gets the bits it gets alone, across chunk boundaries
+    and beside other requests (and a run longer than one unit takes, 16 rows)."""
+    cache, kv, slots, q, index, lens_t = _case(name, [CHUNK - 2, 40, 2 * CHUNK + 3], 3, group, D, seed=D)
+    rows = [(0, 5), (1, 1), (2, 20)]  # (request, verify rows): rows see its first n - 1 + j keys and then more
+    extra = torch.randperm(4096, generator=torch.Generator().manual_seed(D))[:24]
+    q_rows, idx_rows, lens = [], [], []
+    for r, k in rows:
+        base = torch.cat([slots[r], extra])
+        for j in range(k):
+            q_rows.append(q[r] * (1 + j))
+            idx_rows.append(base[: len(slots[r]) + j])
+            lens.append(len(slots[r]) + j)
+    width = max(lens)
+    index = torch.stack([F.pad(s, (0, width - len(s)), value=int(s[0])) for s in idx_rows])
+    qs, lens_t = torch.stack(q_rows), torch.tensor(lens)
+    together = fused.decode_attention(qs, kv, index, lens_t, D ** -0.5)
+    for b in range(len(lens)):
+        alone = fused.decode_attention(qs[b:b + 1], kv, index[b:b + 1, :lens[b]].contiguous(), lens_t[b:b + 1],
+                                       D ** -0.5)
+        assert torch.equal(alone[0], together[b]), b
+
+
+@pytest.mark.parametrize("name", STORED)
 def test_qkv_rotary_cache_writes_the_encoded_kv(name: str) -> None:
     H, Hkv, D, T = 8, 2, 64, 9
     g = torch.Generator().manual_seed(3)

@@ -50,9 +50,10 @@ struct KvView {
 };
 
 // A decode-attention call: q [B, H, D]; request b attends to the slots index[b, 0 .. lens[b]). Item i = (b, hk)
-// has chunks of kAttnChunk keys whose partials are partial[item_first[i] + c] ([g][D + 2] each); units (request,
-// chunk, heads_per_unit kv heads) compute them: unit u is request unit_req[u]'s (u - req_first[b])-th, chunk
-// major. out [B, H * D].
+// has chunks of kAttnChunk keys whose partials are partial[item_first[i] + c] ([g][D + 2] each); units (rows
+// units[4u] .. + units[4u + 1], chunk units[4u + 2], kv heads units[4u + 3] .. + heads_per_unit) compute them,
+// a unit's rows seeing the same keys, each one more than the last (fused_kernels.inc attend_unit). out [B, H * D].
+constexpr int64_t kMaxUnitRows = 16;
 struct DecodeWork {
   const float* q;
   KvView kv;
@@ -61,8 +62,7 @@ struct DecodeWork {
   float scale;
   int64_t H, Hkv, D, L;
   int64_t heads_per_unit;
-  const int64_t* unit_req;
-  const int64_t* req_first;
+  const int64_t* units;
   const int64_t* item_first;
   float* partial;
   float* out;
@@ -446,32 +446,53 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   std::vector<int64_t> item_first(items + 1, 0), chunks(B);
   for (int64_t b = 0; b < B; ++b) chunks[b] = (lp[b] + kAttnChunk - 1) / kAttnChunk;
   for (int64_t i = 0; i < items; ++i) item_first[i + 1] = item_first[i] + chunks[i / Hkv];
+  // Rows that see the same keys, each one more than the last (a speculating request's verify rows: its last
+  // token and the draft), are one group: a unit computes a chunk for all of them, reading and decoding the
+  // chunk's K and V once. Each row's numbers are what it would get alone, so the bits are a plain decode step's.
+  // NOTE: one row a unit, the default model's 5 verify rows at 600 keys had cost 3.4x one row's attention
+  // (docs/speculative-decoding.md).
+  std::vector<int64_t> group_end;  // groups [group_end[i - 1], group_end[i])
+  for (int64_t b0 = 0; b0 < B;) {
+    int64_t b1 = b0 + 1;
+    while (b1 < B && b1 - b0 < kMaxUnitRows && lp[b1] == lp[b1 - 1] + 1 &&
+           std::memcmp(ip + b1 * L, ip + (b1 - 1) * L, lp[b1 - 1] * sizeof(int64_t)) == 0)
+      ++b1;
+    group_end.push_back(b1);
+    b0 = b1;
+  }
   // A unit takes all of a chunk's kv heads (their values are contiguous per token), unless that leaves fewer
   // than two units a thread: then the next smaller divisor of Hkv, and so on down to one head (an odd Hkv had
   // stopped at all heads: the default model's 3 kv heads at 200-300 keys were 2-3 units of unequal size for
   // two threads). The bits are the same either way.
-  int64_t per = Hkv, total = 0;
+  int64_t per = Hkv, total = 0, max_rows = 1;
   const int64_t want = 2 * at::get_num_threads();
   for (;;) {
     total = 0;
-    for (int64_t b = 0; b < B; ++b) total += chunks[b] * (Hkv / per);
+    for (int64_t b1 : group_end) total += chunks[b1 - 1] * (Hkv / per);
     if (total >= want || per == 1) break;
     do --per; while (Hkv % per != 0);
   }
-  std::vector<int64_t> req_first(B + 1, 0), unit_req(total);
-  for (int64_t b = 0; b < B; ++b) {
-    req_first[b + 1] = req_first[b] + chunks[b] * (Hkv / per);
-    for (int64_t u = req_first[b]; u < req_first[b + 1]; ++u) unit_req[u] = b;
+  std::vector<int64_t> units;
+  units.reserve(4 * total);
+  for (int64_t b0 = 0, i = 0; i < static_cast<int64_t>(group_end.size()); b0 = group_end[i++]) {
+    const int64_t b1 = group_end[i];
+    max_rows = std::max(max_rows, b1 - b0);
+    for (int64_t c = 0; c < chunks[b1 - 1]; ++c) {
+      int64_t first = b0;  // the group's rows that reach chunk c: a suffix of it
+      while (chunks[first] <= c) ++first;
+      for (int64_t h0 = 0; h0 < Hkv; h0 += per) units.insert(units.end(), {first, b1 - first, c, h0});
+    }
   }
   std::vector<float> partial(item_first[items] * g * (D + 2));
   const DecodeWork w{q.data_ptr<float>(), kv, ip, lp, static_cast<float>(scale), H, Hkv, D, L, per,
-                     unit_req.data(), req_first.data(), item_first.data(), partial.data(), out.data_ptr<float>()};
+                     units.data(), item_first.data(), partial.data(), out.data_ptr<float>()};
   const Kernels& k = kernels();
   // per unit ~2 * keys * g * D multiply-adds per head (keys: its share of the step's)
   const int64_t per_unit = std::max<int64_t>(1, 2 * (keys / total) * per * g * D);
   at::parallel_for(0, total, grain(per_unit), [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scratch, kbuf;
-    if (static_cast<int64_t>(scratch.size()) < per * (g + 1) * kAttnChunk) scratch.resize(per * (g + 1) * kAttnChunk);
+    const int64_t need = per * (max_rows * g + 1) * kAttnChunk;
+    if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
     if (static_cast<int64_t>(kbuf.size()) < kAttnChunk * per * D) kbuf.resize(kAttnChunk * per * D);
     k.attend_units(w, u0, u1, scratch.data(), kbuf.data());
   });
