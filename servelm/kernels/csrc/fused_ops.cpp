@@ -461,11 +461,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     b0 = b1;
   }
   // A unit takes all of a chunk's kv heads (their values are contiguous per token), unless that leaves fewer
-  // than two units a thread: then the next smaller divisor of Hkv, and so on down to one head (an odd Hkv had
+  // than four units a thread: then the next smaller divisor of Hkv, and so on down to one head (an odd Hkv had
   // stopped at all heads: the default model's 3 kv heads at 200-300 keys were 2-3 units of unequal size for
-  // two threads). The bits are the same either way.
+  // two threads; at 600 keys, 5 units split 3 and 2, two units a thread had cost 10-20% of the attention's time,
+  // docs/speculative-decoding.md). The bits are the same either way.
   int64_t per = Hkv, total = 0, max_rows = 1;
-  const int64_t want = 2 * at::get_num_threads();
+  const int64_t want = 4 * at::get_num_threads();
   for (;;) {
     total = 0;
     for (int64_t b1 : group_end) total += chunks[b1 - 1] * (Hkv / per);
