@@ -185,6 +185,8 @@ def test_linear_is_batch_invariant(path, fmt):
             assert torch.equal(quant.linear(x[m: m + 1], qw, bias, invariant=True), full[m: m + 1])
         other = torch.cat([x[:3], torch.randn(30, 576, generator=g) * 100])
         assert torch.equal(quant.linear(other, qw, bias, invariant=True)[:3], full[:3])
+        for n in (2, 4, 5, 8):  # tiles of 1-5 rows of x (a verify step's 5: one tile, x read from L1)
+            assert torch.equal(quant.linear(x[:n], qw, bias, invariant=True), full[:n])
         many = torch.cat([x, torch.randn(quant.tiles_min_rows(fmt, path), 576, generator=g)])
         tiles = quant.linear(many, qw, bias)
         assert not torch.equal(tiles[:37], full)
@@ -387,6 +389,8 @@ def test_k_quant_kernel_dequantises_exactly_and_is_batch_invariant(path, fmt):
     full = quant.linear(x, qw, invariant=True)
     for m in (0, 5, 36):
         assert torch.equal(quant.linear(x[m: m + 1], qw), full[m: m + 1])
+    for n in (4, 5):
+        assert torch.equal(quant.linear(x[:n], qw, invariant=True), full[:n])
 
 
 def _int8_cases(formats) -> list[tuple[str, str]]:
