@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <immintrin.h>
 #include <limits>
 #include <vector>
 
@@ -103,9 +104,19 @@ inline void block_stats(const float* xb, float* amax, float* sum) {
   *sum = psum[0];
 }
 
+// The rounding of x runs once per row and weight matrix: at a prompt's many rows it had been ~10% of the default
+// model's prefill, compiled for the baseline ISA (SSE2) like the rest of this file. These functions are also
+// built for AVX-512 and picked at load (GCC's target_clones). The same operations in the same order (no fp
+// contraction; the block sums in their fixed 8-lane tree), so the same codes, scales and bits.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define SERVELM_PREP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define SERVELM_PREP_CLONES
+#endif
+
 // One row of x (KB * 32 floats) -> int16 codes in `layout`, block scales, fp32 block sums (blocks KB..KBp-1
 // are zero padding).
-void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q, float* s, float* xsum,
+SERVELM_PREP_CLONES void prep_row(const float* x, int64_t KB, int64_t KBp, Layout layout, int16_t* q, float* s, float* xsum,
               float* spair) {
   for (int64_t b = 0; b < KBp; ++b) {
     int16_t code[kBlock] = {0};
@@ -219,7 +230,7 @@ inline void put_quad(int8_t* q, int64_t b, const int8_t code[kBlock]) {
 // One row of x for the k-quants on AVX2 (super_x; KB whole super-blocks): quant_super_i8 per super-block, the
 // codes in the quad layout, d_fine = d * 2^-kSubShift per super-block in s, and `sub` (see XQ): each block's sums
 // of codes k 0..15 and k 16..31 (|sum| <= 16 * 127) and its multiplier 2^(kSubShift - e_j), as int16.
-void prep_row_i8k(const float* x, int64_t KB, int8_t* q, float* s, int16_t* sub) {
+SERVELM_PREP_CLONES void prep_row_i8k(const float* x, int64_t KB, int8_t* q, float* s, int16_t* sub) {
   for (int64_t sb = 0; sb < KB / kSuper; ++sb) {
     int8_t code[kSuper * kBlock];
     int32_t sums[kSuper];
@@ -241,7 +252,7 @@ void prep_row_i8k(const float* x, int64_t KB, int8_t* q, float* s, int16_t* sub)
 // One row of x for the int8 scheme (quant_block_i8 per block), written in the quad layout (see XQ); d * the
 // sum of each block's codes (formats with a minimum), the lane scales of each quad and -offset * each lane's
 // sum of codes (formats with an offset; split formats per half). Blocks KB..KBq-1 are zero padding.
-void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s,
+SERVELM_PREP_CLONES void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s,
                  float* xsum, float* slane, int32_t* corr) {
   for (int64_t b = 0; b < KBq; ++b) {
     int8_t code[kBlock] = {0};
@@ -277,7 +288,7 @@ void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split
 // lane l = block l. `q` [G * gb * 32], `s` [2 * G * gb] (scales | block sums), `corr` [2 * G * gb]: -offset * the
 // block's sum of codes (split formats: of each half, corr | corr1), or with `super` (AVX2's k-quants) for a split
 // format each block's two half sums as an int16 pair (low: k 0..15) in corr.
-void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, bool super,
+SERVELM_PREP_CLONES void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offset, bool split, bool super,
                     int8_t* q, float* s, int32_t* corr) {
   const int64_t kbg = G * gb;
   std::memset(q, 0, G * gb * kBlock);
@@ -317,10 +328,66 @@ void prep_row_panel(const float* x, int64_t KB, int64_t G, int64_t gb, int offse
   }
 }
 
+// prep_row_panel for AVX-512 VNNI's groups of 16 blocks (not `super`): the same codes, scales, sums and
+// corrections, each block's 32 values in two vectors. A block with an inf or nan takes prep_row_panel's own
+// code (its scale and sum are nan or inf as there). NOTE: compiled for the baseline ISA, prep_row_panel had
+// taken ~10% of the default model's 480-token prefill (~5 cycles a value on two threads; docs/measurements/
+// quant-kernels.md).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_panel_avx512(
+    const float* x, int64_t KB, int64_t G, int offset, bool split, int8_t* q, float* s, int32_t* corr) {
+  constexpr int64_t gb = 16;
+  const int64_t kbg = G * gb;
+  std::memset(q, 0, G * gb * kBlock);
+  std::fill(s, s + 2 * kbg, 0.0f);
+  std::fill(corr, corr + 2 * kbg, 0);
+  const __m512 magic = _mm512_set1_ps(12582912.0f), lo127 = _mm512_set1_ps(-127.0f), hi127 = _mm512_set1_ps(127.0f);
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  for (int64_t b = 0; b < KB; ++b) {
+    const float* xb = x + b * kBlock;
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+    // |x| < inf is false for inf and nan: such a block goes the scalar way
+    if ((_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) != 0xFFFF) {
+      int8_t block[kBlock] = {0};
+      quant_block_i8(xb, block, &s[b], &s[kbg + b]);
+      int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
+      for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, block + 4 * i, 4);
+      continue;  // codes 0: no corrections
+    }
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));  // exact in any order
+    if (amax == 0.0f) continue;  // scale 0, sum 0, codes 0
+    const float scale = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(127.0f / amax);
+    // round(x * 127 / amax) to nearest even by the 1.5 * 2^23 trick, clamped: round_block_i8's three steps. A
+    // subnormal amax makes 127 / amax inf and a zero x nan there: the clamp keeps the nan (max and min return
+    // their second operand on a nan, as std::clamp returns v), the conversion gives 0x80000000 and the int8
+    // code 0, as the scalar cast does; the sums are taken over the int8 codes.
+    const __m512 r0 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x0, inv), magic), magic);
+    const __m512 r1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x1, inv), magic), magic);
+    const __m128i q0 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(hi127, _mm512_max_ps(lo127, r0))));
+    const __m128i q1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(hi127, _mm512_max_ps(lo127, r1))));
+    const int32_t lo = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q0));
+    const int32_t hi = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q1));
+    s[b] = scale;
+    s[kbg + b] = scale * static_cast<float>(lo + hi);
+    alignas(32) int8_t code[kBlock];
+    _mm_store_si128(reinterpret_cast<__m128i*>(code), q0);
+    _mm_store_si128(reinterpret_cast<__m128i*>(code + 16), q1);
+    int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
+    for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
+    if (split) {
+      corr[b] = -offset * lo;
+      corr[kbg + b] = -offset * hi;
+    } else {
+      corr[b] = -offset * (lo + hi);
+    }
+  }
+}
+
 // One row of x for Q8_0's panel GEMM (q8_panel): prep_row's int16 codes and power-of-two scales (the decode
 // kernel's), block b's k 2i, 2i + 1 at slice i (gb * 4 bytes), bytes 4l..4l+3 of its group of gb (l = b % gb;
 // gb 8 on AVX2, 16 on AVX-512): `q` int16 [G * gb * 32], `s` [G * gb]. Zero past KB.
-void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16_t* q, float* s) {
+SERVELM_PREP_CLONES void prep_row_panel_i16(const float* x, int64_t KB, int64_t G, int64_t gb, int16_t* q, float* s) {
   thread_local std::vector<int16_t> natural;
   natural.resize(KB * kBlock);
   std::memset(q, 0, G * gb * kBlock * sizeof(int16_t));
@@ -790,9 +857,15 @@ at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float*
     const int off = fmt_offset(w.fmt);
     const bool split = fmt_split(w.fmt), sup = super_x(isa, w.fmt);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t i = m0; i < m1; ++i)
-        prep_row_panel(xp + i * kp, w.KB, G, gb, off, split, sup, qp + i * G * gb * kBlock, sp + i * ss,
-                       cp + i * ss);
+      for (int64_t i = m0; i < m1; ++i) {
+        if (gb == 16 && !sup) {
+          prep_row_panel_avx512(xp + i * kp, w.KB, G, off, split, qp + i * G * gb * kBlock, sp + i * ss,
+                                cp + i * ss);
+        } else {
+          prep_row_panel(xp + i * kp, w.KB, G, gb, off, split, sup, qp + i * G * gb * kBlock, sp + i * ss,
+                         cp + i * ss);
+        }
+      }
     });
     const XP xv{qp, sp, cp, M, G, ss};
     float* yp = y.data_ptr<float>();
