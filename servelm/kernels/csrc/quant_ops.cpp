@@ -8,6 +8,7 @@
 #include <cmath>
 #include <immintrin.h>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "quant_common.h"
@@ -346,8 +347,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_pane
     const float* xb = x + b * kBlock;
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
     const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
-    // |x| < inf is false for inf and nan: such a block goes the scalar way
-    if ((_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) != 0xFFFF) {
+    // block_stats' sum of x, in its order (8 lanes of 4 values, then halves): it decides, with inf or nan in x,
+    // whether the block is nan (a sum of huge finite values can overflow to +inf in one lane and -inf in another)
+    __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(x0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x0), 1)));
+    p8 = _mm256_add_ps(p8, _mm512_castps512_ps256(x1));
+    p8 = _mm256_add_ps(p8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x1), 1)));
+    const __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
+    const __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
+    const float sum = _mm_cvtss_f32(_mm_add_ss(p2, _mm_shuffle_ps(p2, p2, 1)));
+    // |x| < inf is false for inf and nan: such a block (or a nan sum) goes the scalar way
+    if ((_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) != 0xFFFF ||
+        std::isnan(sum)) {
       int8_t block[kBlock] = {0};
       quant_block_i8(xb, block, &s[b], &s[kbg + b]);
       int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
@@ -897,9 +907,38 @@ at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, fmt, bias, isa) : linear(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);
 }
 
+// The panel GEMM's rounding of x, [M, KB * 32] fp32 -> (codes [M, G * 512] int8, scales and sums [M, 2 * G * 16],
+// corrections [M, 2 * G * 16] int32), by prep_row_panel (`vector` false) or prep_row_panel_avx512 (true, on a
+// CPU with AVX-512): for the tests, which hold the two to the same bits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_panel(const at::Tensor& x, int64_t offset, bool split,
+                                                          bool vector) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "servelm_quant: prep_panel takes a contiguous fp32 [M, KB * 32]");
+  TORCH_CHECK(!vector || (best_isa() >= kAvx512 && __builtin_cpu_supports("avx512dq")),
+              "servelm_quant: prep_panel's vector form needs AVX-512 (F, BW, VL, DQ)");
+  const int64_t M = x.size(0), KB = x.size(1) / kBlock, gb = 16, G = (KB + gb - 1) / gb;
+  at::Tensor q = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kChar));
+  at::Tensor s = at::empty({M, 2 * G * gb}, x.options());
+  at::Tensor c = at::empty({M, 2 * G * gb}, x.options().dtype(at::kInt));
+  for (int64_t i = 0; i < M; ++i) {
+    const float* xi = x.data_ptr<float>() + i * KB * kBlock;
+    int8_t* qi = q.data_ptr<int8_t>() + i * G * gb * kBlock;
+    float* si = s.data_ptr<float>() + i * 2 * G * gb;
+    int32_t* ci = c.data_ptr<int32_t>() + i * 2 * G * gb;
+    if (vector) {
+      prep_row_panel_avx512(xi, KB, G, static_cast<int>(offset), split, qi, si, ci);
+    } else {
+      prep_row_panel(xi, KB, G, gb, static_cast<int>(offset), split, false, qi, si, ci);
+    }
+  }
+  return {q, s, c};
+}
+
 }  // namespace servelm_quant
 
 TORCH_LIBRARY(servelm_quant, lib) {
+  lib.def("prep_panel(Tensor x, int offset, bool split, bool vector) -> (Tensor, Tensor, Tensor)",
+          &servelm_quant::prep_panel);
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
   lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
           "int isa) -> Tensor",
