@@ -250,37 +250,118 @@ SERVELM_PREP_CLONES void prep_row_i8k(const float* x, int64_t KB, int8_t* q, flo
   }
 }
 
-// One row of x for the int8 scheme (quant_block_i8 per block), written in the quad layout (see XQ); d * the
-// sum of each block's codes (formats with a minimum), the lane scales of each quad and -offset * each lane's
-// sum of codes (formats with an offset; split formats per half). Blocks KB..KBq-1 are zero padding.
+// Block b of one row of x for the int8 scheme (quant_block_i8; zeros from KB on), written in the quad layout (see
+// XQ): its codes, scale s[b], d * its sum of codes xsum[b] (formats with a minimum), the lane scales of its quad
+// and -offset * each lane's sum of codes (formats with an offset; split formats per half).
+inline void prep_block_i8(const float* x, int64_t b, int64_t KB, int offset, bool split, int8_t* q, float* s,
+                          float* xsum, float* slane, int32_t* corr) {
+  int8_t code[kBlock] = {0};
+  float scale = 0.0f, sum = 0.0f;
+  if (b < KB) quant_block_i8(x + b * kBlock, code, &scale, &sum);
+  s[b] = scale;
+  if (xsum) xsum[b] = sum;
+  // lane l of the quad is block 4t + l / 4
+  const int64_t t = b / 4, e = b % 4;
+  put_quad(q, b, code);
+  for (int l = 0; l < 4; ++l) slane[t * 16 + e * 4 + l] = scale;
+  if (corr)
+    for (int l = 0; l < 4; ++l) {
+      int32_t lo = 0, hi = 0;
+      for (int u = 0; u < 4; ++u) {
+        lo += code[4 * l + u];
+        hi += code[16 + 4 * l + u];
+      }
+      int32_t* c = corr + t * 32 + e * 4 + l;  // split: each half its own; else one start for both
+      if (split) {
+        c[0] = -offset * lo;
+        c[16] = -offset * hi;
+      } else {
+        c[0] = -offset * (lo + hi);
+        c[16] = 0;
+      }
+    }
+}
+
+// One row of x for the int8 scheme: prep_block_i8 for blocks 0..KBq-1 (KB..KBq-1 are zero padding).
 SERVELM_PREP_CLONES void prep_row_i8(const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s,
                  float* xsum, float* slane, int32_t* corr) {
+  for (int64_t b = 0; b < KBq; ++b) prep_block_i8(x, b, KB, offset, split, q, s, xsum, slane, corr);
+}
+
+// One block's int8 rounding in AVX-512, as quant_block_i8's (the panel GEMM's and the decode kernel's): false
+// where the block has an inf or a nan, or block_stats' sum of x in its order is nan (then the caller takes the
+// scalar code, whose scale and sum are nan or inf there); else its codes (k 0..15, k 16..31), scale and the sum of
+// its codes. A subnormal amax makes 127 / amax inf and a zero x nan there: the clamp keeps the nan (max and min
+// return their second operand on a nan, as std::clamp returns v), the conversion gives 0x80000000 and the int8
+// code 0, as the scalar cast does; the sums are taken over the int8 codes.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) inline bool round_block_avx512(
+    const float* xb, __m128i* q0, __m128i* q1, float* scale, int32_t* isum) {
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+  // block_stats' sum: 8 lanes of 4 values, then halves
+  __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(x0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x0), 1)));
+  p8 = _mm256_add_ps(p8, _mm512_castps512_ps256(x1));
+  p8 = _mm256_add_ps(p8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x1), 1)));
+  const __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
+  const __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
+  const float sum = _mm_cvtss_f32(_mm_add_ss(p2, _mm_shuffle_ps(p2, p2, 1)));
+  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+  // |x| < inf is false for inf and nan
+  if ((_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) != 0xFFFF ||
+      std::isnan(sum))
+    return false;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));  // exact in any order
+  if (amax == 0.0f) {
+    *q0 = *q1 = _mm_setzero_si128();
+    *scale = 0.0f;
+    *isum = 0;
+    return true;
+  }
+  *scale = amax / 127.0f;
+  const __m512 inv = _mm512_set1_ps(127.0f / amax), magic = _mm512_set1_ps(12582912.0f);
+  const __m512 lo127 = _mm512_set1_ps(-127.0f), hi127 = _mm512_set1_ps(127.0f);
+  const __m512 r0 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x0, inv), magic), magic);
+  const __m512 r1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x1, inv), magic), magic);
+  *q0 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(hi127, _mm512_max_ps(lo127, r0))));
+  *q1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(hi127, _mm512_max_ps(lo127, r1))));
+  *isum = _mm512_reduce_add_epi32(_mm512_add_epi32(_mm512_cvtepi8_epi32(*q0), _mm512_cvtepi8_epi32(*q1)));
+  return true;
+}
+
+// prep_row_i8 in AVX-512 (the AVX-512 VNNI decode kernel's x): the same codes, scales, sums and corrections
+// (the prep_quad op holds the two to the same bits in the tests). NOTE: a decode step rounds each layer's inputs
+// for every projection; the portable build of it had been ~4% of the default model's decode step (`perf`).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_i8_avx512(
+    const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s, float* xsum,
+    float* slane, int32_t* corr) {
+  const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1), neg = _mm_set1_epi32(-offset);
   for (int64_t b = 0; b < KBq; ++b) {
-    int8_t code[kBlock] = {0};
-    float scale = 0.0f, sum = 0.0f;
-    if (b < KB) quant_block_i8(x + b * kBlock, code, &scale, &sum);
+    __m128i q0, q1;
+    float scale;
+    int32_t isum;
+    if (b >= KB || !round_block_avx512(x + b * kBlock, &q0, &q1, &scale, &isum)) {
+      prep_block_i8(x, b, KB, offset, split, q, s, xsum, slane, corr);
+      continue;
+    }
     s[b] = scale;
-    if (xsum) xsum[b] = sum;
-    // lane l of the quad is block 4t + l / 4
+    if (xsum) xsum[b] = scale * static_cast<float>(isum);
     const int64_t t = b / 4, e = b % 4;
-    put_quad(q, b, code);
-    for (int l = 0; l < 4; ++l) slane[t * 16 + e * 4 + l] = scale;
-    if (corr)
-      for (int l = 0; l < 4; ++l) {
-        int32_t lo = 0, hi = 0;
-        for (int u = 0; u < 4; ++u) {
-          lo += code[4 * l + u];
-          hi += code[16 + 4 * l + u];
-        }
-        int32_t* c = corr + t * 32 + e * 4 + l;  // split: each half its own; else one start for both
-        if (split) {
-          c[0] = -offset * lo;
-          c[16] = -offset * hi;
-        } else {
-          c[0] = -offset * (lo + hi);
-          c[16] = 0;
-        }
+    int8_t* pq = q + b / 4 * 4 * kBlock + b % 4 * 16;  // put_quad's places
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pq), q0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(pq + 64), q1);
+    _mm_storeu_ps(slane + t * 16 + e * 4, _mm_set1_ps(scale));
+    if (corr) {  // each lane's sum of 4 codes: u8 ones times the s8 codes, pairs, then pairs of pairs
+      const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q0), ones16);
+      const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q1), ones16);
+      int32_t* c = corr + t * 32 + e * 4;
+      if (split) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, lo));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_mullo_epi32(neg, hi));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, _mm_add_epi32(lo, hi)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_setzero_si128());
       }
+    }
   }
 }
 
@@ -330,10 +411,9 @@ SERVELM_PREP_CLONES void prep_row_panel(const float* x, int64_t KB, int64_t G, i
 }
 
 // prep_row_panel for AVX-512 VNNI's groups of 16 blocks (not `super`): the same codes, scales, sums and
-// corrections, each block's 32 values in two vectors. A block with an inf or nan takes prep_row_panel's own
-// code (its scale and sum are nan or inf as there). NOTE: compiled for the baseline ISA, prep_row_panel had
-// taken ~10% of the default model's 480-token prefill (~5 cycles a value on two threads; docs/measurements/
-// quant-kernels.md).
+// corrections (round_block_avx512; a block it declines takes prep_row_panel's own code). NOTE: compiled for the
+// baseline ISA, prep_row_panel had taken ~10% of the default model's 480-token prefill (docs/measurements/
+// quant-kernels.md); the prep_panel op holds the two to the same bits in the tests.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_panel_avx512(
     const float* x, int64_t KB, int64_t G, int offset, bool split, int8_t* q, float* s, int32_t* corr) {
   constexpr int64_t gb = 16;
@@ -341,55 +421,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_pane
   std::memset(q, 0, G * gb * kBlock);
   std::fill(s, s + 2 * kbg, 0.0f);
   std::fill(corr, corr + 2 * kbg, 0);
-  const __m512 magic = _mm512_set1_ps(12582912.0f), lo127 = _mm512_set1_ps(-127.0f), hi127 = _mm512_set1_ps(127.0f);
-  const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
   for (int64_t b = 0; b < KB; ++b) {
     const float* xb = x + b * kBlock;
-    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
-    // block_stats' sum of x, in its order (8 lanes of 4 values, then halves): it decides, with inf or nan in x,
-    // whether the block is nan (a sum of huge finite values can overflow to +inf in one lane and -inf in another)
-    __m256 p8 = _mm256_add_ps(_mm512_castps512_ps256(x0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x0), 1)));
-    p8 = _mm256_add_ps(p8, _mm512_castps512_ps256(x1));
-    p8 = _mm256_add_ps(p8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x1), 1)));
-    const __m128 p4 = _mm_add_ps(_mm256_castps256_ps128(p8), _mm256_extractf128_ps(p8, 1));
-    const __m128 p2 = _mm_add_ps(p4, _mm_movehl_ps(p4, p4));
-    const float sum = _mm_cvtss_f32(_mm_add_ss(p2, _mm_shuffle_ps(p2, p2, 1)));
-    // |x| < inf is false for inf and nan: such a block (or a nan sum) goes the scalar way
-    if ((_mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ)) != 0xFFFF ||
-        std::isnan(sum)) {
+    int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
+    __m128i q0, q1;
+    float scale;
+    int32_t isum;
+    if (!round_block_avx512(xb, &q0, &q1, &scale, &isum)) {  // codes 0: no corrections
       int8_t block[kBlock] = {0};
       quant_block_i8(xb, block, &s[b], &s[kbg + b]);
-      int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
       for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, block + 4 * i, 4);
-      continue;  // codes 0: no corrections
+      continue;
     }
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));  // exact in any order
-    if (amax == 0.0f) continue;  // scale 0, sum 0, codes 0
-    const float scale = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(127.0f / amax);
-    // round(x * 127 / amax) to nearest even by the 1.5 * 2^23 trick, clamped: round_block_i8's three steps. A
-    // subnormal amax makes 127 / amax inf and a zero x nan there: the clamp keeps the nan (max and min return
-    // their second operand on a nan, as std::clamp returns v), the conversion gives 0x80000000 and the int8
-    // code 0, as the scalar cast does; the sums are taken over the int8 codes.
-    const __m512 r0 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x0, inv), magic), magic);
-    const __m512 r1 = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x1, inv), magic), magic);
-    const __m128i q0 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(hi127, _mm512_max_ps(lo127, r0))));
-    const __m128i q1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(hi127, _mm512_max_ps(lo127, r1))));
-    const int32_t lo = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q0));
-    const int32_t hi = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q1));
-    s[b] = scale;
-    s[kbg + b] = scale * static_cast<float>(lo + hi);
+    s[b] = scale;  // (0 for a block of zeros, or one whose amax / 127 underflows, whose codes are not 0)
+    s[kbg + b] = scale * static_cast<float>(isum);
     alignas(32) int8_t code[kBlock];
     _mm_store_si128(reinterpret_cast<__m128i*>(code), q0);
     _mm_store_si128(reinterpret_cast<__m128i*>(code + 16), q1);
-    int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
     for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
+    const int32_t lo = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q0));
     if (split) {
       corr[b] = -offset * lo;
-      corr[kbg + b] = -offset * hi;
+      corr[kbg + b] = -offset * (isum - lo);
     } else {
-      corr[b] = -offset * (lo + hi);
+      corr[b] = -offset * isum;
     }
   }
 }
@@ -755,8 +810,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
       for (int64_t i = m0; i < m1; ++i) {
         float* row = sp + i * sstride;
-        prep_row_i8(xp + i * kp, KB, KBq, off, split, qp + i * KBq * kBlock, row, row + KBq, row + 2 * KBq,
-                    cp ? cp + i * quads * 32 : nullptr);
+        (isa == kAvx512VnniI8 ? prep_row_i8_avx512 : prep_row_i8)(
+            xp + i * kp, KB, KBq, off, split, qp + i * KBq * kBlock, row, row + KBq, row + 2 * KBq,
+            cp ? cp + i * quads * 32 : nullptr);
       }
     });
     XQ xv{nullptr, sp, sp + KBq, sp + 2 * KBq, M, KBq, sstride};
@@ -934,9 +990,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_panel(const at::Tensor& x, i
   return {q, s, c};
 }
 
+// The decode kernel's rounding of x (the int8 scheme), [M, KB * 32] fp32 -> (codes [M, KBq * 32] int8, [M, 2 * KBq
+// + KBq * 4] fp32: scales | sums | lane scales, corrections [M, KBq * 8] int32), by prep_row_i8 (`vector` false)
+// or prep_row_i8_avx512: for the tests, which hold the two to the same bits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_quad(const at::Tensor& x, int64_t offset, bool split,
+                                                         bool vector) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "servelm_quant: prep_quad takes a contiguous fp32 [M, KB * 32]");
+  TORCH_CHECK(!vector || (best_isa() >= kAvx512 && __builtin_cpu_supports("avx512dq")),
+              "servelm_quant: prep_quad's vector form needs AVX-512 (F, BW, VL, DQ)");
+  const int64_t M = x.size(0), KB = x.size(1) / kBlock, KBq = (KB + 3) / 4 * 4;
+  at::Tensor q = at::zeros({M, KBq * kBlock}, x.options().dtype(at::kChar));
+  at::Tensor s = at::zeros({M, 2 * KBq + KBq * 4}, x.options());
+  at::Tensor c = at::zeros({M, KBq * 8}, x.options().dtype(at::kInt));
+  for (int64_t i = 0; i < M; ++i) {
+    float* si = s.data_ptr<float>() + i * s.size(1);
+    (vector ? prep_row_i8_avx512 : prep_row_i8)(x.data_ptr<float>() + i * KB * kBlock, KB, KBq,
+                                                static_cast<int>(offset), split,
+                                                q.data_ptr<int8_t>() + i * KBq * kBlock, si, si + KBq,
+                                                si + 2 * KBq, c.data_ptr<int32_t>() + i * KBq * 8);
+  }
+  return {q, s, c};
+}
+
 }  // namespace servelm_quant
 
 TORCH_LIBRARY(servelm_quant, lib) {
+  lib.def("prep_quad(Tensor x, int offset, bool split, bool vector) -> (Tensor, Tensor, Tensor)",
+          &servelm_quant::prep_quad);
   lib.def("prep_panel(Tensor x, int offset, bool split, bool vector) -> (Tensor, Tensor, Tensor)",
           &servelm_quant::prep_panel);
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
