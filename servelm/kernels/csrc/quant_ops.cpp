@@ -966,12 +966,16 @@ at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 // The panel GEMM's rounding of x, [M, KB * 32] fp32 -> (codes [M, G * 512] int8, scales and sums [M, 2 * G * 16],
 // corrections [M, 2 * G * 16] int32), by prep_row_panel (`vector` false) or prep_row_panel_avx512 (true, on a
 // CPU with AVX-512): for the tests, which hold the two to the same bits.
+void check_prep_args(const at::Tensor& x, bool vector, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
+              "servelm_quant: ", op, " takes a contiguous fp32 [M, KB * 32]");
+  TORCH_CHECK(!vector || (best_isa() >= kAvx512 && __builtin_cpu_supports("avx512dq")),
+              "servelm_quant: ", op, "'s vector form needs AVX-512 (F, BW, VL, DQ)");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_panel(const at::Tensor& x, int64_t offset, bool split,
                                                           bool vector) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
-              "servelm_quant: prep_panel takes a contiguous fp32 [M, KB * 32]");
-  TORCH_CHECK(!vector || (best_isa() >= kAvx512 && __builtin_cpu_supports("avx512dq")),
-              "servelm_quant: prep_panel's vector form needs AVX-512 (F, BW, VL, DQ)");
+  check_prep_args(x, vector, "prep_panel");
   const int64_t M = x.size(0), KB = x.size(1) / kBlock, gb = 16, G = (KB + gb - 1) / gb;
   at::Tensor q = at::empty({M, G * gb * kBlock}, x.options().dtype(at::kChar));
   at::Tensor s = at::empty({M, 2 * G * gb}, x.options());
@@ -995,10 +999,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_panel(const at::Tensor& x, i
 // or prep_row_i8_avx512: for the tests, which hold the two to the same bits.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_quad(const at::Tensor& x, int64_t offset, bool split,
                                                          bool vector) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
-              "servelm_quant: prep_quad takes a contiguous fp32 [M, KB * 32]");
-  TORCH_CHECK(!vector || (best_isa() >= kAvx512 && __builtin_cpu_supports("avx512dq")),
-              "servelm_quant: prep_quad's vector form needs AVX-512 (F, BW, VL, DQ)");
+  check_prep_args(x, vector, "prep_quad");
   const int64_t M = x.size(0), KB = x.size(1) / kBlock, KBq = (KB + 3) / 4 * 4;
   at::Tensor q = at::zeros({M, KBq * kBlock}, x.options().dtype(at::kChar));
   at::Tensor s = at::zeros({M, 2 * KBq + KBq * 4}, x.options());
