@@ -193,12 +193,12 @@ class BertEncoder(nn.Module):
 
     def prepack(self) -> bool:
         """Pre-pack the projections for oneDNN (after loading), and take servelm's fused attention where it
-        runs (fp32 on CPU, the kernel library built, `SERVELM_FUSED_OPS` not off); False where oneDNN cannot
-        (not a CPU)."""
+        runs (on CPU, in fp32 also under bf16 weights; the kernel library built, `SERVELM_FUSED_OPS` not off);
+        False where oneDNN cannot (not a CPU)."""
         from servelm.layers import fused
 
         # fp32 or bf16 weights: the attention runs in fp32 either way (_fused_attention)
-        self.fused_attention = fused.available(self.word.weight.float()[:0])
+        self.fused_attention = fused.available(self.word.weight.new_empty(0, dtype=torch.float32))
         if not torch.backends.mkldnn.is_available() or self.word.weight.device.type != "cpu":
             return False
         for layer in self.layers:

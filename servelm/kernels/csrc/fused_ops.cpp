@@ -450,7 +450,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   // token and the draft), are one group: a unit computes a chunk for all of them, reading and decoding the
   // chunk's K and V once. Each row's numbers are what it would get alone, so the bits are a plain decode step's.
   // NOTE: one row a unit, the default model's 5 verify rows at 600 keys had cost 3.4x one row's attention
-  // (docs/speculative-decoding.md).
+  // (docs/measurements/decode-attention.md).
   std::vector<int64_t> group_end;  // groups [group_end[i - 1], group_end[i])
   for (int64_t b0 = 0; b0 < B;) {
     int64_t b1 = b0 + 1;
@@ -464,7 +464,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   // than four units a thread: then the next smaller divisor of Hkv, and so on down to one head (an odd Hkv had
   // stopped at all heads: the default model's 3 kv heads at 200-300 keys were 2-3 units of unequal size for
   // two threads; at 600 keys, 5 units split 3 and 2, two units a thread had cost 10-20% of the attention's time,
-  // docs/speculative-decoding.md). The bits are the same either way.
+  // docs/measurements/decode-attention.md). The bits are the same either way.
   int64_t per = Hkv, total = 0, max_rows = 1;
   const int64_t want = 4 * at::get_num_threads();
   for (;;) {
