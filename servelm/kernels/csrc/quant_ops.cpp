@@ -288,6 +288,7 @@ SERVELM_PREP_CLONES void prep_row_i8(const float* x, int64_t KB, int64_t KBq, in
   for (int64_t b = 0; b < KBq; ++b) prep_block_i8(x, b, KB, offset, split, q, s, xsum, slane, corr);
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
 // One block's int8 rounding in AVX-512, as quant_block_i8's (the panel GEMM's and the decode kernel's): false
 // where the block has an inf or a nan, or block_stats' sum of x in its order is nan (then the caller takes the
 // scalar code, whose scale and sum are nan or inf there); else its codes (k 0..15, k 16..31), scale and the sum of
@@ -364,6 +365,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_i8_a
     }
   }
 }
+#endif
 
 // One row of x for the int8 panel GEMM (see XP): the same codes and scales as prep_row_i8 (`super`: as
 // prep_row_i8k, each block's scale its super-block's d * 2^-e), by groups of gb blocks (16 on AVX-512, 8 on AVX2) with
@@ -410,6 +412,7 @@ SERVELM_PREP_CLONES void prep_row_panel(const float* x, int64_t KB, int64_t G, i
   }
 }
 
+#if defined(__x86_64__) || defined(_M_X64)
 // prep_row_panel for AVX-512 VNNI's groups of 16 blocks (not `super`): the same codes, scales, sums and
 // corrections (round_block_avx512; a block it declines takes prep_row_panel's own code). NOTE: compiled for the
 // baseline ISA, prep_row_panel had taken ~10% of the default model's 480-token prefill (docs/measurements/
@@ -448,6 +451,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_pane
     }
   }
 }
+#endif
 
 // One row of x for Q8_0's panel GEMM (q8_panel): prep_row's int16 codes and power-of-two scales (the decode
 // kernel's), block b's k 2i, 2i + 1 at slice i (gb * 4 bytes), bytes 4l..4l+3 of its group of gb (l = b % gb;
@@ -963,9 +967,6 @@ at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tens
   return tiles ? linear_tiles(x, qs, d, m, qh, qh2, sc, fmt, bias, isa) : linear(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);
 }
 
-// The panel GEMM's rounding of x, [M, KB * 32] fp32 -> (codes [M, G * 512] int8, scales and sums [M, 2 * G * 16],
-// corrections [M, 2 * G * 16] int32), by prep_row_panel (`vector` false) or prep_row_panel_avx512 (true, on a
-// CPU with AVX-512): for the tests, which hold the two to the same bits.
 void check_prep_args(const at::Tensor& x, bool vector, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % kBlock == 0,
               "servelm_quant: ", op, " takes a contiguous fp32 [M, KB * 32]");
@@ -973,6 +974,9 @@ void check_prep_args(const at::Tensor& x, bool vector, const char* op) {
               "servelm_quant: ", op, "'s vector form needs AVX-512 (F, BW, VL, DQ)");
 }
 
+// The panel GEMM's rounding of x, [M, KB * 32] fp32 -> (codes [M, G * 512] int8, scales and sums [M, 2 * G * 16],
+// corrections [M, 2 * G * 16] int32), by prep_row_panel (`vector` false) or prep_row_panel_avx512 (true, on a
+// CPU with AVX-512): for the tests, which hold the two to the same bits.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_panel(const at::Tensor& x, int64_t offset, bool split,
                                                           bool vector) {
   check_prep_args(x, vector, "prep_panel");
@@ -985,11 +989,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_panel(const at::Tensor& x, i
     int8_t* qi = q.data_ptr<int8_t>() + i * G * gb * kBlock;
     float* si = s.data_ptr<float>() + i * 2 * G * gb;
     int32_t* ci = c.data_ptr<int32_t>() + i * 2 * G * gb;
+#if defined(__x86_64__) || defined(_M_X64)
     if (vector) {
       prep_row_panel_avx512(xi, KB, G, static_cast<int>(offset), split, qi, si, ci);
-    } else {
-      prep_row_panel(xi, KB, G, gb, static_cast<int>(offset), split, false, qi, si, ci);
+      continue;
     }
+#endif
+    prep_row_panel(xi, KB, G, gb, static_cast<int>(offset), split, false, qi, si, ci);
   }
   return {q, s, c};
 }
@@ -1006,10 +1012,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prep_quad(const at::Tensor& x, in
   at::Tensor c = at::zeros({M, KBq * 8}, x.options().dtype(at::kInt));
   for (int64_t i = 0; i < M; ++i) {
     float* si = s.data_ptr<float>() + i * s.size(1);
-    (vector ? prep_row_i8_avx512 : prep_row_i8)(x.data_ptr<float>() + i * KB * kBlock, KB, KBq,
-                                                static_cast<int>(offset), split,
-                                                q.data_ptr<int8_t>() + i * KBq * kBlock, si, si + KBq,
-                                                si + 2 * KBq, c.data_ptr<int32_t>() + i * KBq * 8);
+    auto* prep = prep_row_i8;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (vector) prep = prep_row_i8_avx512;
+#endif
+    prep(x.data_ptr<float>() + i * KB * kBlock, KB, KBq, static_cast<int>(offset), split,
+         q.data_ptr<int8_t>() + i * KBq * kBlock, si, si + KBq, si + 2 * KBq, c.data_ptr<int32_t>() + i * KBq * 8);
   }
   return {q, s, c};
 }
