@@ -228,6 +228,12 @@ inline void put_quad(int8_t* q, int64_t b, const int8_t code[kBlock]) {
   std::memcpy(pq + 64, code + 16, 16);
 }
 
+// Block b's 32 codes into the panel layout (see XP): k 4i..4i+3 at slice i of its group of gb, bytes 4 (b % gb) on.
+inline void put_panel(int8_t* q, int64_t b, int64_t gb, const int8_t code[kBlock]) {
+  int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
+  for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
+}
+
 // One row of x for the k-quants on AVX2 (super_x; KB whole super-blocks): quant_super_i8 per super-block, the
 // codes in the quad layout, d_fine = d * 2^-kSubShift per super-block in s, and `sub` (see XQ): each block's sums
 // of codes k 0..15 and k 16..31 (|sum| <= 16 * 127) and its multiplier 2^(kSubShift - e_j), as int16.
@@ -330,8 +336,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) inline bool round_
 }
 
 // prep_row_i8 in AVX-512 (the AVX-512 VNNI decode kernel's x): the same codes, scales, sums and corrections
-// (the prep_quad op holds the two to the same bits in the tests). NOTE: a decode step rounds each layer's inputs
-// for every projection; the portable build of it had been ~4% of the default model's decode step (`perf`).
+// (the prep_quad op holds the two to the same bits in the tests), sharing round_block_avx512 with the panel's.
+// On the default model's decode it did not move the step's time measurably (docs/measurements/quant-kernels.md).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_i8_avx512(
     const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s, float* xsum,
     float* slane, int32_t* corr) {
@@ -393,9 +399,8 @@ SERVELM_PREP_CLONES void prep_row_panel(const float* x, int64_t KB, int64_t G, i
     } else {
       quant_block_i8(x + b * kBlock, block, &s[b], &s[kbg + b]);
     }
-    int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
+    put_panel(q, b, gb, code);
     int32_t lo = 0, hi = 0;
-    for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
     for (int k = 0; k < 16; ++k) {
       lo += code[k];
       hi += code[16 + k];
@@ -426,14 +431,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_pane
   std::fill(corr, corr + 2 * kbg, 0);
   for (int64_t b = 0; b < KB; ++b) {
     const float* xb = x + b * kBlock;
-    int8_t* dst = q + (b / gb) * gb * kBlock + (b % gb) * 4;
     __m128i q0, q1;
     float scale;
     int32_t isum;
     if (!round_block_avx512(xb, &q0, &q1, &scale, &isum)) {  // codes 0: no corrections
       int8_t block[kBlock] = {0};
       quant_block_i8(xb, block, &s[b], &s[kbg + b]);
-      for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, block + 4 * i, 4);
+      put_panel(q, b, gb, block);
       continue;
     }
     s[b] = scale;  // (0 for a block of zeros, or one whose amax / 127 underflows, whose codes are not 0)
@@ -441,7 +445,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_pane
     alignas(32) int8_t code[kBlock];
     _mm_store_si128(reinterpret_cast<__m128i*>(code), q0);
     _mm_store_si128(reinterpret_cast<__m128i*>(code + 16), q1);
-    for (int i = 0; i < 8; ++i) std::memcpy(dst + i * gb * 4, code + 4 * i, 4);
+    put_panel(q, b, gb, code);
     const int32_t lo = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(q0));
     if (split) {
       corr[b] = -offset * lo;
