@@ -108,6 +108,9 @@ class ServerArgs:
                                      negations=("--enable-prefix-caching",))
     disable_fast_path: bool = _opt(False, "Eager PyTorch only: plain F.linear instead of oneDNN with pre-packed "
                                           "weights on CPU.", aliases=("--disable-torch-compile",))
+    cuda_graph_max_bs: int | None = _opt(None, "CUDA: decode steps of up to this many requests replay captured CUDA "
+                                         "graphs (SGLang's flag; default: --max-running-requests, at most 256).")
+    disable_cuda_graph: bool = _opt(False, "CUDA: run every decode step eagerly, without CUDA graphs.")
     num_threads: int | None = _opt(None, "CPU threads for the model (default: the CPUs available to the process, "
                                          "from its affinity and cgroup quota).")
     random_seed: int = _opt(0, "Seed for sampling when a request gives none.")
@@ -176,6 +179,8 @@ class ServerArgs:
              f"--prefix-cache-dir needs --tp-size 1 (each rank would keep its own shard), got {self.tp_size}"),
             (self.prefix_cache_dir is None or 256 % self.page_size == 0,
              f"--prefix-cache-dir needs a --page-size that divides 256 (its block), got {self.page_size}"),
+            (self.cuda_graph_max_bs is None or self.cuda_graph_max_bs >= 1,
+             f"--cuda-graph-max-bs must be >= 1, got {self.cuda_graph_max_bs}"),
             (0 < self.mem_fraction_static < 1,
              f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}"),
             (self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}"),

@@ -16,7 +16,9 @@ the layer tests do).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 ATTR = "_kernel_choice"
@@ -34,9 +36,12 @@ class KernelChoice:
         return "deterministic" if self.deterministic else "fused" if self.fused else "native"
 
     @classmethod
-    def resolve(cls, deterministic: bool) -> KernelChoice:
+    def resolve(cls, deterministic: bool, device: Any = "cpu") -> KernelChoice:
         """The choice for a model built now: deterministic as asked, the fused ops when the library loads and
-        SERVELM_FUSED_OPS leaves them on, the quantised kernel path this CPU takes (SERVELM_QUANT_KERNEL)."""
+        SERVELM_FUSED_OPS leaves them on, the quantised kernel path this CPU takes (SERVELM_QUANT_KERNEL). Off
+        the CPU: torch alone, and the CPU kernels are neither built nor loaded."""
+        if torch.device(device).type != "cpu":
+            return cls(deterministic=deterministic, fused=False, quant="torch")
         from servelm.kernels import quant
         from servelm.layers import fused
 

@@ -32,7 +32,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if row.target is not None:
             continue
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
+                                device=logits.device)
             if seen.numel():
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
@@ -40,8 +41,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
             logits[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
         if (p.frequency_penalty or p.presence_penalty) and row.output_ids:
-            counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.long), minlength=vocab)[:vocab]
-            counts = counts.to(logits.dtype)
+            ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         allowed = allowed_tokens(row.allowed, vocab).to(logits.device) if row.allowed is not None else None
         if row.banned_ids:
@@ -81,6 +82,14 @@ def num_top_logprobs(row: SamplingRow) -> int:
     return p.top_logprobs
 
 
+def gumbel_noise(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    """float64 Gumbel noise [vocab] of one draw, from a generator on `device` seeded by the row's counters.
+    The same seed gives the same noise on every CPU; a GPU's generator gives other (equally seeded) draws."""
+    gen = torch.Generator(device=device).manual_seed(mix_seed(row.seed, row.sample_index, row.position))
+    u = torch.rand(vocab, generator=gen, dtype=torch.float64, device=device).clamp_(min=1e-300)
+    return -torch.log(-torch.log(u))
+
+
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     """logits: fp32 [R, V] (raw model output; modified in place)."""
@@ -93,18 +102,16 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     tokens: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.target is None and r.params.is_greedy]
     greedy_tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+    drawn: dict[int, torch.Tensor] = {}
     for i, row in enumerate(rows):
-        if row.target is not None:
-            tokens.append(row.target)
-            continue
-        if i in greedy_tokens:
-            tokens.append(greedy_tokens[i])
-            continue
-        scaled = filter_logits(logits[i] / row.params.temperature, row.params)
-        gen = torch.Generator(device="cpu").manual_seed(mix_seed(row.seed, row.sample_index, row.position))
-        u = torch.rand(scaled.shape[-1], generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-        gumbel = -torch.log(-torch.log(u))
-        tokens.append(int(torch.argmax(scaled.double().to("cpu") + gumbel)))
+        if row.target is None and i not in greedy_tokens:
+            scaled = filter_logits(logits[i] / row.params.temperature, row.params)
+            drawn[i] = torch.argmax(scaled.double() + gumbel_noise(row, scaled.shape[-1], scaled.device))
+    # One device-to-host read for every drawn row (on a GPU each read waits for the device).
+    drawn_tokens = dict(zip(drawn, torch.stack(list(drawn.values())).tolist())) if drawn else {}
+    for i, row in enumerate(rows):
+        tokens.append(row.target if row.target is not None else
+                      greedy_tokens[i] if i in greedy_tokens else drawn_tokens[i])
     out_lp: list[float | None] = [None] * len(rows)
     out_top: list[list[tuple[int, float]] | None] = [None] * len(rows)
     out_rank: list[int | None] = [None] * len(rows)

@@ -48,6 +48,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def check_device_support(server_args: ServerArgs, device: torch.device) -> None:
+    """One start-up line for what this device cannot run."""
+    if device.type == "cuda" and server_args.enable_deterministic_inference:
+        raise ConfigError("--enable-deterministic-inference runs on the CPU only: its batch-invariant matmuls and "
+                          "attention are servelm's CPU kernels, and torch has no batch-invariant ones on CUDA; "
+                          "drop the flag or use --device cpu")
+
+
 def eos_token_ids_of(config: Any, tokenizer: Any) -> list[int]:
     ids: list[int] = []
     for value in (getattr(config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
@@ -98,6 +106,7 @@ class ModelRunner:
         self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
         self.device = resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
+        check_device_support(server_args, self.device)
         if self.device.type == "cpu":  # activations' freed memory stays for the next step (cpu_memory.py)
             configure_malloc()
         self.model_path = model_path_or_default(server_args.model_path)
@@ -117,7 +126,7 @@ class ModelRunner:
             quant.pack_weights([qw for m in self.model.modules() for qw in _quant_weights(m)])
         self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
         # The kernels, chosen once and frozen into the model's modules (no process-wide switch is read later).
-        self.kernels = KernelChoice.resolve(server_args.enable_deterministic_inference)
+        self.kernels = KernelChoice.resolve(server_args.enable_deterministic_inference, self.device)
         freeze_kernels(self.model, self.kernels)
         self.weight_bytes = self.model.weight_bytes()
         self.tokenizer = load_tokenizer(server_args.tokenizer_path or self.model_path, server_args.chat_template)
@@ -144,7 +153,9 @@ class ModelRunner:
         tokens = self._kv_budget_tokens(bytes_per_token)
         page = server_args.page_size
         self.num_pages = max(tokens // page, 2)
-        self.kv_cache = KVCache(config.num_hidden_layers, self.num_pages * page, attn.num_kv_heads,
+        # One page more than the allocator hands out: the padding rows of a captured decode step write there.
+        self.pad_slot = self.num_pages * page
+        self.kv_cache = KVCache(config.num_hidden_layers, self.num_pages * page + page, attn.num_kv_heads,
                                 head_dim_of(config), self.dtype, self.device, kv_dtype)
         self.max_context_len = min(max_positions, self.num_pages * page)
         self.model_context_len = max_positions  # before the KV pool's limit
@@ -156,8 +167,26 @@ class ModelRunner:
                     "quantised linears" if self.quant_policy.quantized else "eager linears", tp_note, self.load_seconds,
                     self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30, kv_dtype)
         self._log_weights()
+        self.decode_graphs = self._capture_decode_graphs()
         if self.tp_size > 1 and tp_rank == 0:
             self._start_step_sender()
+
+    def _capture_decode_graphs(self) -> Any:
+        """CUDA graphs of the decode step (servelm.model_executor.cuda_graph_runner) on a GPU at TP 1, unless
+        --disable-cuda-graph; the shortest key bucket is captured now for every batch size, others on first use."""
+        sa = self.server_args
+        if self.device.type != "cuda" or sa.disable_cuda_graph or self.pooling is not None:
+            return None
+        if self.tp_size > 1:
+            logger.info("CUDA graphs are off under --tp-size > 1 (not yet supported); decode runs eagerly")
+            return None
+        from servelm.model_executor.cuda_graph_runner import DecodeGraphs
+
+        graphs = DecodeGraphs(self, sa.cuda_graph_max_bs or sa.max_running_requests, self.pad_slot)
+        graphs.capture()
+        logger.info("Captured CUDA graphs of the decode step for batch sizes %s in %.1f s (longer contexts are "
+                    "captured on first use)", graphs.sizes, graphs.capture_seconds)
+        return graphs
 
     def weight_formats(self) -> dict[str, int]:
         """How many weight matrices of this rank each format holds, e.g. {"q4_1": 210, "q8_0": 1}."""
@@ -292,8 +321,12 @@ class ModelRunner:
 
     def _execute(self, step: StepInput) -> SampleOutput | None:
         """Run `step` on this rank (every rank runs every step, in the same order)."""
-        fb = ForwardBatch.from_step(step, self.device)
         rows = step.sample_rows
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.fits(step):
+            logits = graphs.run(step)
+            return sample(logits, rows) if rows else None
+        fb = ForwardBatch.from_step(step, self.device)
         if step.hidden_indices:
             return self._execute_pooling(fb, step)
         if self.tp_size > 1 and self.server_args.enable_tp_lm_head_all_to_all and rows:
@@ -372,6 +405,7 @@ class ModelRunner:
                 "fast_path": self.fast_path, "tp_size": self.tp_size, "load_seconds": round(self.load_seconds, 2),
                 "quantization": self.quant_policy.mode, "weight_formats": self.weight_formats(),
                 "weight_bytes": self.weight_bytes, **self.kv_cache.describe(),
+                **(self.decode_graphs.describe() if self.decode_graphs is not None else {}),
                 **({"task": "embed", "embedding_dimensions": self.config.hidden_size, "pooling": self.pooling.mode,
                     "normalize": self.pooling.normalize} if self.pooling is not None else {})}
 

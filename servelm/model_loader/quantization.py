@@ -71,8 +71,8 @@ def resolve_quantization(mode: str, source_format: str, dtype: torch.dtype, devi
         if source_format != "gguf":
             return QuantPolicy("auto", frozenset())
         if not supported:
-            logger.info("--quantization auto: GGUF weights dequantised (quantised kernels need --dtype float32 "
-                        "on the CPU)")
+            logger.info("--quantization auto: the GGUF's weights are dequantised to %s on %s (the quantised "
+                        "kernels run float32 compute on the CPU)", str(dtype).removeprefix("torch."), device.type)
             return QuantPolicy("auto", frozenset())
         return QuantPolicy("auto", frozenset(quant.FORMATS))
     if not supported:

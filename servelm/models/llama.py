@@ -184,6 +184,8 @@ class LlamaModel(nn.Module):
         decode step would be its one fused call (`LlamaDecoderLayer.forward`'s checks, made once per KV cache and
         kernel choices), else None."""
         kernels = [kernels_of(layer) for layer in self.layers]
+        if not kernels[0].fused or hidden.device.type != "cpu":  # before anything would load the C++ library
+            return None
         key = (fb.kv_cache, kernels)
         cached = self.__dict__.get("_fused_stack_cache")
         if cached is not None and cached[0][0] is key[0] and cached[0][1] == kernels:
