@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.servelm-setup
 
-.PHONY: setup serve test lint
+.PHONY: setup serve test lint gpu-bundle
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
@@ -30,3 +30,12 @@ lint: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v --durations=15 $(PYTEST_ARGS)
+
+# What tests/gpu/run.sh needs on a GPU machine that has no registry (docs/gpu.md): Python 3.12 wheels of the
+# packages its image lacks, the default model in two parts and its tokenizer, under .gpu/ (ignored by git).
+GPU_PLATFORMS := $(foreach n,17 24 26 27 28 31 34 35 39,--platform manylinux_2_$(n)_x86_64) --platform any
+gpu-bundle: setup
+	rm -rf .gpu/base/wheels
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d .gpu/base/wheels -r tests/gpu/requirements.txt
+	$(BIN)/python tests/gpu/bundle.py .gpu

@@ -39,9 +39,9 @@ def median_of(runs: int, fn: Callable[[], dict[str, float]]) -> dict[str, float]
     return {k: statistics.median(r[k] for r in results) for k in results[0]}
 
 
-def load_hf_baseline(model_path: str | None) -> Any:
-    """transformers' own model class with the same weights (a GGUF dequantised by our loader);
-    the reference of the benchmarks and of the default-model tests."""
+def load_hf_baseline(model_path: str | None, device: Any = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+    """transformers' own model class with the same weights (a GGUF dequantised by our loader), on `device` in
+    `dtype`; the reference of the benchmarks and of the default-model tests."""
     import transformers
 
     from servelm.model_loader.default_model import model_path_or_default
@@ -49,7 +49,8 @@ def load_hf_baseline(model_path: str | None) -> Any:
 
     source = load_model_source(model_path_or_default(model_path))
     model_cls = getattr(transformers, source.config.architectures[0])
-    model = model_cls(source.config).eval()
+    with torch.device(device):  # built where it runs: random initialisation of a 1B model on a CPU takes a while
+        model = model_cls(source.config).to(dtype).eval()
     missing, unexpected = model.load_state_dict(dict(source.iter_weights(torch.float32)), strict=False)
     # A tied checkpoint has no lm_head.weight; anything else missing or left over is a mapping bug.
     if unexpected or not set(missing) <= {"lm_head.weight"}:
@@ -83,9 +84,12 @@ def hf_generate_seconds(model: Any, prompts: list[list[int]], max_new_tokens: in
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     t0 = time.perf_counter()
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                    min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0
 
 
@@ -99,12 +103,15 @@ def hf_prefill_and_decode(model: Any, prompts: list[list[int]], max_new_tokens: 
     return first, max(total - first, 1e-9)
 
 
-def memory_bandwidth_gbs(nbytes: int = 1 << 30) -> float:
-    """Read bandwidth of this machine now: the median of summing a large fp32 tensor."""
-    x = torch.ones(nbytes // 4)
+def memory_bandwidth_gbs(nbytes: int = 1 << 30, device: Any = "cpu") -> float:
+    """Read bandwidth of this machine's (or `device`'s) memory now: the median of summing a large fp32 tensor."""
+    x = torch.ones(nbytes // 4, device=device)
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     times = []
     for _ in range(5):
+        sync()
         t0 = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times) / 1e9

@@ -48,7 +48,8 @@ def main(argv: list[str]) -> int:
     if line := speculation_line(spec):
         print(line, flush=True)
     if ns.baseline == "hf":
-        hf = load_hf_baseline(ns.model_path)
+        runner = engine.scheduler.runner
+        hf = load_hf_baseline(ns.model_path, runner.device, runner.dtype)
         hf_generate_seconds(hf, prompts[:2], 2)
         ref = median_of(ns.runs, lambda: {"seconds": hf_generate_seconds(hf, prompts, ns.output_len)})
         ref["output_tok_s"] = out_tokens / ref["seconds"]

@@ -131,10 +131,13 @@ def main(argv: list[str]) -> int:
     args = dataclasses.replace(args, chunked_prefill_size=max(args.chunked_prefill_size, biggest * ns.input_len),
                                max_running_requests=max(args.max_running_requests, biggest))
     engine = Engine(args)
-    hf = load_hf_baseline(ns.model_path) if ns.baseline == "hf" else None
-    bw = memory_bandwidth_gbs()
+    runner = engine.scheduler.runner
+    hf = load_hf_baseline(ns.model_path, runner.device, runner.dtype) if ns.baseline == "hf" else None
+    bw = memory_bandwidth_gbs(device=runner.device)
     weight_bytes = engine.scheduler.runner.weight_bytes  # resident: fp32 (pre-packed) or quantised blocks
-    print(f"model {engine.scheduler.runner.model_path}  fast_path={engine.scheduler.runner.fast_path}  "
+    graphs = getattr(runner, "decode_graphs", None)
+    print(f"model {runner.model_path}  device {runner.device}  fast_path={runner.fast_path}  "
+          f"cuda graphs {'up to batch ' + str(graphs.max_bs) if graphs is not None else 'off'}  "
           f"quantization={args.quantization}  "
           f"weights {weight_bytes / 1e6:.0f} MB  memory bandwidth {bw:.1f} GB/s\n"
           f"{describe_threads(engine.cpu_threads)}")
