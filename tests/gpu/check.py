@@ -15,7 +15,8 @@ Steps, in order:
 Greedy equality in bf16: both engines round differently (servelm's rotary runs in fp32, transformers' in bf16),
 so two near-equal logits may swap. A prompt passes when its tokens are equal, or when they part where
 transformers' own logits of the two tokens are within `TIE` of each other (bf16 logits near 20 are spaced
-0.125 apart); every such place is listed in the summary.
+0.125 apart); every such place is listed in the summary. A dry run (`--dry-run`) is fp32 on the CPU, with
+`--quantization none`: there the tokens are equal.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Run:
     """What a run uses: the GPU at full size, or (--dry-run) the CPU with small sizes, to try the script here."""
 
     device = "cuda"
+    dtype = torch.bfloat16
     one_batch = ["--batch-size", "1", "32", "--input-len", "128", "--output-len", "128", "--runs", "3"]
     offline = ["--num-prompts", "256", "--input-len", "128", "--output-len", "128", "--runs", "1",
                "--max-running-requests", "256", "--chunked-prefill-size", "8192"]
@@ -52,6 +54,7 @@ class Run:
     @classmethod
     def dry(cls) -> None:
         cls.device = "cpu"
+        cls.dtype = torch.float32  # servelm's fp32 path with --quantization none gives transformers' tokens exactly
         cls.one_batch = ["--batch-size", "1", "4", "--input-len", "32", "--output-len", "8", "--runs", "1"]
         cls.offline = ["--num-prompts", "8", "--input-len", "32", "--output-len", "8", "--runs", "1",
                        "--max-running-requests", "8"]
@@ -106,7 +109,7 @@ def random_model(work: Path, shape: str) -> tuple[Path, Any]:
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     with torch.device(Run.device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = transformers.LlamaForCausalLM(config).to(Run.dtype).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
     out = work / shape
@@ -155,7 +158,8 @@ def greedy_equality(model_path: Path, hf: Any, res: dict[str, Any]) -> None:
     """Step 2's comparison for one model; `hf` is transformers' model of the same weights on the GPU (bf16)."""
     from servelm.entrypoints.engine import Engine
 
-    engine = Engine(model_path=str(model_path), device=Run.device, dtype="bfloat16", max_total_tokens=1 << 16)
+    engine = Engine(model_path=str(model_path), device=Run.device, dtype=str(Run.dtype).removeprefix("torch."),
+                    quantization="none", max_total_tokens=1 << 16)
     try:
         tok = engine.tokenizer
         prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -288,10 +292,10 @@ def weight_bytes(model_path: Path) -> int:
         with safe_open(str(f), "pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 t = st.get_slice(name)
-                n = 1
+                n = {"BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
                 for d in t.get_shape():
                     n *= d
-                total += n * 2  # bf16
+                total += n
     return total
 
 
@@ -300,7 +304,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", default="/tmp/servelm-gpu")
-    ap.add_argument("--dry-run", action="store_true", help="On the CPU, with small sizes: to try the script.")
+    ap.add_argument("--dry-run", action="store_true", help="On the CPU in fp32, with small sizes: to try the script.")
     a = ap.parse_args()
     if a.dry_run:
         Run.dry()
@@ -341,7 +345,7 @@ def main() -> int:
             path, hf = random_model(work, "smollm2-135m")
             summary["default_model"] += "; a random-weight SmolLM2-135M shape stands in for it"
         else:
-            hf = load_hf_baseline(str(path), Run.device, torch.bfloat16)
+            hf = load_hf_baseline(str(path), Run.device, Run.dtype)
         run("2_greedy", lambda res: greedy_equality(path, hf, res))
         hf = None  # the reference leaves the GPU to the engines
         free_gpu()
