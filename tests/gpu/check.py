@@ -10,7 +10,8 @@ Steps, in order:
 4. one-batch: `bench one-batch` at batch 1 and 32, CUDA graphs on and off;
 5. offline: `bench offline` 256 x 128/128, next to transformers' `generate` at batch 256;
 6. steps 2, 4 and 5 on a Llama-3.2-1B shape with random bf16 weights, and its batch-1 decode's share of the
-   bandwidth (weight bytes x tok/s against step 1's copy bandwidth).
+   bandwidth (weight bytes x tok/s against step 1's copy bandwidth); then where a batch-1 decode step's time
+   goes (wall time with and without graphs; kernels launched and device time without them).
 
 Greedy equality in bf16: both engines round differently (servelm's rotary runs in fp32, transformers' in bf16),
 so two near-equal logits may swap. A prompt passes when its tokens are equal, or when they part where
@@ -284,6 +285,54 @@ def step_offline(model_path: Path, res: dict[str, Any], work: Path) -> None:
     res.update({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "bench"})
 
 
+def step_profile(model_path: Path, res: dict[str, Any]) -> None:
+    """Where a batch-1 decode step's time goes: wall time a step with graphs and without, and (without graphs,
+    torch.profiler) the kernels a step launches and the time the device spends in them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from servelm.entrypoints.engine import Engine
+    from servelm.managers.io_struct import GenerateReq
+
+    engine = Engine(model_path=str(model_path), device=Run.device, max_total_tokens=1 << 16)
+    try:
+        sched, runner = engine.scheduler, engine.scheduler.runner
+        graphs = runner.decode_graphs
+        sched.add_request(GenerateReq("p", list(range(100, 228)), {"max_new_tokens": 200, "temperature": 0,
+                                                                     "ignore_eos": True}))
+        while not sched.running or not sched.running[0].output_ids:
+            engine.step()
+
+        def wall_ms(steps: int, step: Any = engine.step) -> float:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            return (time.perf_counter() - t0) / steps * 1e3
+
+        wall_ms(5)
+        res["graph_step_ms"] = round(wall_ms(40), 3) if graphs is not None else None
+        runner.decode_graphs = None
+        wall_ms(5)
+        res["eager_step_ms"] = round(wall_ms(40), 3)
+        cuda = Run.device == "cuda"
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                engine.step()
+        events = [e for e in prof.key_averages() if (e.device_type.name == "CUDA") == cuda]
+        res["eager_kernels_per_step"] = sum(e.count for e in events) / 5
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        res["eager_device_ms_per_step" if cuda else "eager_cpu_op_ms_per_step"] = round(
+            sum(getattr(e, key) for e in events) / 5 / 1e3, 3)
+        top = sorted(events, key=lambda e: getattr(e, key), reverse=True)[:12]
+        res["top"] = [[e.key[:80], e.count // 5, round(getattr(e, key) / 5 / 1e3, 4)] for e in top]
+        runner.decode_graphs = graphs
+        while sched.has_work():
+            engine.step()
+    finally:
+        engine.shutdown()
+    del engine
+    free_gpu()
+
+
 def weight_bytes(model_path: Path) -> int:
     from safetensors import safe_open
 
@@ -358,6 +407,7 @@ def main() -> int:
         free_gpu()
         run("6_1b_one_batch", lambda res: step_one_batch(big, res, work))
         run("6_1b_offline", lambda res: step_offline(big, res, work))
+        run("6_1b_profile", lambda res: step_profile(big, res))
         nbytes = weight_bytes(big)
         tok_s = summary["steps"]["6_1b_one_batch"]["graphs_bs1"]["decode_tok_s"]
         copy = summary["steps"]["1_env"].get("copy_gbs")  # None in a dry run
