@@ -59,7 +59,7 @@ class DraftModel:
         args = server_args.replace(model_path=path, max_total_tokens=max_tokens, speculative_algorithm=None,
                                    speculative_draft_model_path=None, tp_size=1, nnodes=1, node_rank=0,
                                    dist_init_addr=None, is_embedding=False, runner="generate", page_size=1,
-                                   prefix_cache_dir=None)
+                                   prefix_cache_dir=None, cuda_graph_max_bs=1)  # a draft decodes one row
         with single_rank():
             self.runner = ModelRunner(args)
         # The same tokenizer, its embedding table perhaps padded less: every draft token is then a target token.
