@@ -167,6 +167,7 @@ class ModelRunner:
                     "quantised linears" if self.quant_policy.quantized else "eager linears", tp_note, self.load_seconds,
                     self.num_pages * page, self.num_pages * page * bytes_per_token / 2**30, kv_dtype)
         self._log_weights()
+        self.decode_graphs_error: str | None = None
         self.decode_graphs = self._capture_decode_graphs()
         if self.tp_size > 1 and tp_rank == 0:
             self._start_step_sender()
@@ -183,7 +184,15 @@ class ModelRunner:
         from servelm.model_executor.cuda_graph_runner import DecodeGraphs
 
         graphs = DecodeGraphs(self, sa.cuda_graph_max_bs or sa.max_running_requests, self.pad_slot)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except Exception as exc:  # the server still serves, every step eagerly; the line says why
+            from servelm.distributed.failures import first_line
+
+            self.decode_graphs_error = first_line(exc)
+            logger.warning("CUDA graphs of the decode step could not be captured (%s); decode runs eagerly",
+                           self.decode_graphs_error)
+            return None
         logger.info("Captured CUDA graphs of the decode step for batch sizes %s in %.1f s (longer contexts are "
                     "captured on first use)", graphs.sizes, graphs.capture_seconds)
         return graphs
@@ -406,6 +415,7 @@ class ModelRunner:
                 "quantization": self.quant_policy.mode, "weight_formats": self.weight_formats(),
                 "weight_bytes": self.weight_bytes, **self.kv_cache.describe(),
                 **(self.decode_graphs.describe() if self.decode_graphs is not None else {}),
+                **({"cuda_graph_error": self.decode_graphs_error} if self.decode_graphs_error else {}),
                 **({"task": "embed", "embedding_dimensions": self.config.hidden_size, "pooling": self.pooling.mode,
                     "normalize": self.pooling.normalize} if self.pooling is not None else {})}
 

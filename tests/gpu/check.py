@@ -169,6 +169,7 @@ def greedy_equality(model_path: Path, hf: Any, res: dict[str, Any]) -> None:
         eos = engine.scheduler.eos_token_ids
         graphs = engine.scheduler.runner.decode_graphs
         res["decode_graph_replays"] = graphs.replays if graphs is not None else 0
+        res["cuda_graph_error"] = engine.scheduler.runner.decode_graphs_error
         engine.scheduler.check_integrity()
     finally:
         engine.shutdown()

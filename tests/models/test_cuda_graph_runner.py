@@ -158,3 +158,26 @@ def test_cuda_graph_flags() -> None:
     assert ServerArgs().cuda_graph_max_bs is None and not ServerArgs().disable_cuda_graph
     with pytest.raises(ConfigError, match="--cuda-graph-max-bs must be >= 1, got 0"):
         ServerArgs(cuda_graph_max_bs=0)
+
+
+def test_a_failed_capture_leaves_decode_eager(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that fails on the GPU costs the graphs, not the server: one warning, every step eager."""
+    import servelm.model_executor.cuda_graph_runner as cuda_graph_runner
+
+    class Broken:
+        def __init__(self, *args: object) -> None:
+            pass
+
+        def capture(self) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing\nsecond line")
+
+    monkeypatch.setattr(cuda_graph_runner, "DecodeGraphs", Broken)
+    monkeypatch.setattr(runner, "device", torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger="servelm.model_executor.model_runner"):
+        assert runner._capture_decode_graphs() is None
+    assert runner.decode_graphs_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert "could not be captured (RuntimeError: operation not permitted" in caplog.text
+    monkeypatch.setattr(runner, "device", torch.device("cpu"))
+    assert runner.model_info()["cuda_graph_error"].startswith("RuntimeError")
+    monkeypatch.setattr(runner, "decode_graphs_error", None)
