@@ -119,6 +119,9 @@ class DecodeGraphs:
         self.buffer = torch.zeros(size, dtype=torch.long, device=device)
         self.staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
         self._host = self.staging.numpy()
+        # Set when the last upload has left the pinned buffer: the next fill waits for it (a step without
+        # sampled rows reads nothing back, so nothing else would wait).
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.graphs: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.replays = 0
         self.capture_seconds = 0.0
@@ -163,6 +166,8 @@ class DecodeGraphs:
 
     def _fill(self, step: StepInput, bs: int, keys: int) -> None:
         """The step's inputs, padded to (bs, keys), into the pinned host buffer."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         h, m, n = self._host, self.max_bs, len(step.extend_lens)
         h[0:n] = step.input_ids
         h[m:m + n] = step.positions
@@ -182,12 +187,16 @@ class DecodeGraphs:
     def _upload(self, bs: int, keys: int) -> None:
         size = self._head + bs * keys
         self.buffer[:size].copy_(self.staging[:size], non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
 
     def _graph(self, bs: int, keys: int) -> tuple[Any, torch.Tensor]:
         found = self.graphs.get((bs, keys))
         if found is not None:
             return found
         t0 = time.perf_counter()
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
         # Padding everywhere while capturing: the warm-up and the capture write only the pad slot's K and V.
         self._host[: self._head + bs * keys] = 0
         m = self.max_bs
