@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     ns = parser.parse_args(argv)
     args = ServerArgs.from_namespace(ns)
     biggest = max(ns.batch_size)
-    args = dataclasses.replace(args, chunked_prefill_size=max(args.chunked_prefill_size, biggest * ns.input_len),
+    args = dataclasses.replace(args, chunked_prefill_size=max(args.chunked_prefill_size or 0, biggest * ns.input_len),
                                max_running_requests=max(args.max_running_requests, biggest))
     engine = Engine(args)
     runner = engine.scheduler.runner

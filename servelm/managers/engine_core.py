@@ -44,7 +44,7 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
     if workers is not None:
         runner.dead_rank_reporter = workers.report_death
     cfg = SchedulerConfig(num_pages=runner.num_pages, page_size=server_args.page_size,
-                          chunked_prefill_size=server_args.chunked_prefill_size,
+                          chunked_prefill_size=server_args.step_token_budget(runner.device.type),
                           max_running_requests=server_args.max_running_requests,
                           max_context_len=runner.max_context_len,
                           model_context_len=runner.model_context_len,
@@ -95,7 +95,7 @@ def build_embedding_scheduler(server_args: ServerArgs) -> Any:
 
     runner = EmbeddingRunner(server_args, server_args.model_path)
     # The token budget of a step: at least a whole longest input; more inputs share the forward.
-    budget = max(server_args.chunked_prefill_size * 4, runner.max_context_len)
+    budget = max(server_args.step_token_budget("cpu") * 4, runner.max_context_len)  # encoders run on the CPU
     scheduler = EmbeddingScheduler(runner, budget, runner.max_context_len, runner.config.vocab_size)
     freeze_startup_heap()
     return scheduler

@@ -49,7 +49,7 @@ class Run:
     dtype = torch.bfloat16
     one_batch = ["--batch-size", "1", "32", "--input-len", "128", "--output-len", "128", "--runs", "3"]
     offline = ["--num-prompts", "256", "--input-len", "128", "--output-len", "128", "--runs", "1",
-               "--max-running-requests", "256", "--chunked-prefill-size", "8192"]
+               "--max-running-requests", "256"]
     big_layers: int | None = None
 
     @classmethod

@@ -154,6 +154,14 @@ def test_no_cpu_kernel_is_built_or_loaded_for_cuda(monkeypatch: pytest.MonkeyPat
     assert (choice.fused, choice.quant, choice.deterministic) == (False, "torch", False)
 
 
+def test_step_token_budget_by_device() -> None:
+    assert ServerArgs().step_token_budget("cpu") == 512
+    assert ServerArgs().step_token_budget("cuda") == 8192
+    assert ServerArgs(chunked_prefill_size=2048).step_token_budget("cuda") == 2048
+    with pytest.raises(ConfigError, match="--chunked-prefill-size must be >= 1, got 0"):
+        ServerArgs(chunked_prefill_size=0)
+
+
 def test_cuda_graph_flags() -> None:
     assert ServerArgs().cuda_graph_max_bs is None and not ServerArgs().disable_cuda_graph
     with pytest.raises(ConfigError, match="--cuda-graph-max-bs must be >= 1, got 0"):
