@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
     runner = engine.scheduler.runner
     hf = load_hf_baseline(ns.model_path, runner.device, runner.dtype) if ns.baseline == "hf" else None
     bw = memory_bandwidth_gbs(device=runner.device)
-    weight_bytes = engine.scheduler.runner.weight_bytes  # resident: fp32 (pre-packed) or quantised blocks
+    weight_bytes = runner.weight_bytes  # resident: fp32 (pre-packed) or quantised blocks
     graphs = getattr(runner, "decode_graphs", None)
     print(f"model {runner.model_path}  device {runner.device}  fast_path={runner.fast_path}  "
           f"cuda graphs {'up to batch ' + str(graphs.max_bs) if graphs is not None else 'off'}  "

@@ -20,7 +20,7 @@ So the captured arithmetic is the eager decode path's, on the same shapes the ea
 padded batch. The inputs go to the device as one host-to-device copy of one pinned buffer per step.
 
 `EagerGraph` replays by running the recorded function again: the same protocol on any device, so the
-padding, bucketing and buffer handling are tested on the CPU (tests/model_executor/test_cuda_graph_runner.py).
+padding, bucketing and buffer handling are tested on the CPU (tests/models/test_cuda_graph_runner.py).
 """
 
 from __future__ import annotations
@@ -172,17 +172,23 @@ class DecodeGraphs:
         h[0:n] = step.input_ids
         h[m:m + n] = step.positions
         h[2 * m:2 * m + n] = step.out_cache_loc
-        h[n:bs] = 0
-        h[m + n:m + bs] = 0
-        h[2 * m + n:2 * m + bs] = self.pad_slot
         lens = h[3 * m:3 * m + bs]
         kv = h[self._head: self._head + bs * keys].reshape(bs, keys)
         for b, slots in enumerate(step.kv_indices):
             lens[b] = len(slots)
             kv[b, : len(slots)] = slots
             kv[b, len(slots):] = slots[0]
-        lens[n:] = 1
-        kv[n:] = self.pad_slot
+        self._pad(n, bs, keys)
+
+    def _pad(self, n: int, bs: int, keys: int) -> None:
+        """Rows n..bs-1 of the host buffer as padding: token 0 at position 0, its K and V into the pad slot, which
+        is also the one key it attends to."""
+        h, m = self._host, self.max_bs
+        h[n:bs] = 0
+        h[m + n:m + bs] = 0
+        h[2 * m + n:2 * m + bs] = self.pad_slot
+        h[3 * m + n:3 * m + bs] = 1
+        h[self._head + n * keys: self._head + bs * keys] = self.pad_slot
 
     def _upload(self, bs: int, keys: int) -> None:
         size = self._head + bs * keys
@@ -198,11 +204,7 @@ class DecodeGraphs:
         if self._uploaded is not None:
             self._uploaded.synchronize()
         # Padding everywhere while capturing: the warm-up and the capture write only the pad slot's K and V.
-        self._host[: self._head + bs * keys] = 0
-        m = self.max_bs
-        self._host[2 * m:2 * m + bs] = self.pad_slot
-        self._host[3 * m:3 * m + bs] = 1
-        self._host[self._head: self._head + bs * keys] = self.pad_slot
+        self._pad(0, bs, keys)
         self._upload(bs, keys)
         ids, positions, out_loc, lens, kv_index = self._views(bs, keys)
         model, kv_cache = self.runner.model, self.runner.kv_cache
@@ -213,8 +215,7 @@ class DecodeGraphs:
                               kv_cache=kv_cache)
             fb.decode_reqs = list(range(bs))
             fb.decode_kv_index, fb.decode_lens = kv_index, lens
-            pad = torch.arange(keys, device=ids.device)[None, :] >= lens[:, None]
-            fb.decode_bias = torch.zeros(pad.shape, device=ids.device).masked_fill_(pad, float("-inf"))[:, None, None]
+            fb.decode_bias = ForwardBatch.padding_bias(lens, keys)
             with torch.inference_mode():
                 return model.model(fb)
 

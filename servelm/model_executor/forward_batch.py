@@ -80,6 +80,11 @@ class ForwardBatch:
                 index[b, len(k):] = k[0]
             fb.decode_kv_index = index
             fb.decode_lens = t(lens)
-            pad = torch.arange(max_len, device=device)[None, :] >= fb.decode_lens[:, None]
-            fb.decode_bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None, None, :]
+            fb.decode_bias = cls.padding_bias(fb.decode_lens, max_len)
         return fb
+
+    @staticmethod
+    def padding_bias(lens: torch.Tensor, keys: int) -> torch.Tensor:
+        """`decode_bias` of rows with `lens` [B] keys each, padded to `keys`: [B, 1, 1, keys] fp32, 0 or -inf."""
+        pad = torch.arange(keys, device=lens.device)[None, :] >= lens[:, None]
+        return torch.zeros(pad.shape, device=lens.device).masked_fill_(pad, float("-inf"))[:, None, None, :]

@@ -310,6 +310,7 @@ def step_profile(model_path: Path, res: dict[str, Any]) -> None:
     engine = Engine(model_path=str(model_path), device=Run.device, max_total_tokens=1 << 16)
     try:
         sched, runner = engine.scheduler, engine.scheduler.runner
+        res["weight_bytes"] = runner.weight_bytes  # what a decode step reads (a tied embedding once)
         graphs = runner.decode_graphs
         sched.add_request(GenerateReq("p", list(range(100, 228)), {"max_new_tokens": 200, "temperature": 0,
                                                                      "ignore_eos": True}))
@@ -345,21 +346,6 @@ def step_profile(model_path: Path, res: dict[str, Any]) -> None:
         engine.shutdown()
     del engine
     free_gpu()
-
-
-def weight_bytes(model_path: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for f in model_path.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                t = st.get_slice(name)
-                n = {"BF16": 2, "F16": 2, "F32": 4}[t.get_dtype()]
-                for d in t.get_shape():
-                    n *= d
-                total += n
-    return total
 
 
 # ------------------------------------------------------------------ driver
@@ -428,7 +414,7 @@ def main() -> int:
         run("6_1b_one_batch", lambda res: step_one_batch(big, res, work))
         run("6_1b_offline", lambda res: step_offline(big, res, work))
         run("6_1b_profile", lambda res: step_profile(big, res))
-        nbytes = weight_bytes(big)
+        nbytes = summary["steps"]["6_1b_profile"]["weight_bytes"]
         tok_s = summary["steps"]["6_1b_one_batch"]["graphs_bs1"]["decode_tok_s"]
         copy = summary["steps"]["1_env"].get("copy_gbs")  # None in a dry run
         summary["bandwidth_1b"] = {"weight_bytes": nbytes, "decode_tok_s": tok_s,

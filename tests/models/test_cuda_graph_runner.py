@@ -58,6 +58,9 @@ def test_replayed_decode_steps_equal_eager_ones(runner: ModelRunner) -> None:
     slots = [list(range(1000 * b, 1000 * b + n)) for b, n in enumerate(lengths)]
     for prompt_slots in slots:
         _prefill(runner, torch.randint(0, 1000, (len(prompt_slots),), generator=gen).tolist(), prompt_slots)
+    prompts = torch.tensor([x for s in slots for x in s])
+    kv = runner.kv_cache
+    before = kv.k[:, prompts].clone(), kv.v[:, prompts].clone()
     for step_no in range(12):
         batch = slots[: 1 + step_no % 3]  # 1, 2, 3 requests: padded to 1, 2 and 4 rows
         for s in batch:
@@ -68,6 +71,8 @@ def test_replayed_decode_steps_equal_eager_ones(runner: ModelRunner) -> None:
         eager = runner.forward(ForwardBatch.from_step(step, runner.device))  # rewrites the same K and V
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
         assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    # the padding rows wrote into the pad slot only: the prompts' K and V are as the prefill left them
+    assert torch.equal(kv.k[:, prompts], before[0]) and torch.equal(kv.v[:, prompts], before[1])
     assert len(slots[2]) > 256  # the third request crossed into the 512-key bucket
     assert {keys for _, keys in graphs.graphs} == {256, 512}
     assert {bs for bs, _ in graphs.graphs} <= {1, 2, 4}
