@@ -60,8 +60,8 @@ class Run:
         cls.offline = ["--num-prompts", "8", "--input-len", "32", "--output-len", "8", "--runs", "1",
                        "--max-running-requests", "8"]
         cls.big_layers = 1
-# Llama-3.2-1B: hidden, ffn, layers, heads, kv heads, vocab, rope theta (tied embeddings), as
-# ../shared/tools/make_synthetic_gguf.py writes it; SmolLM2-135M for a default model that did not travel.
+# hidden, ffn, layers, heads, kv heads, vocab, rope theta (tied embeddings), as in the published configs:
+# Llama-3.2-1B, and SmolLM2-135M for a default model that did not travel.
 SHAPES = {"llama-3.2-1b": (2048, 8192, 16, 32, 8, 128256, 500000.0),
           "smollm2-135m": (576, 1536, 30, 9, 3, 49152, 100000.0)}
 
