@@ -165,6 +165,9 @@ class QuantWeight:
     qh: torch.Tensor | None = None
     qh2: torch.Tensor | None = None
     sc: torch.Tensor | None = None
+    # The fields interleaved by 16 rows (`interleave_rows16`): the AVX-512 VNNI path's layout, read at every M
+    # by csrc/rows16_avx512_vnni.cpp. Everything else reads rows (`rows_of` gives them back).
+    rows16: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -179,6 +182,8 @@ class QuantWeight:
         """The same format with `fn(field, kind)` applied to each present field: kind "block" (a column per
         32-weight block), "super" (d and m of the k-quants: one per super-block) or "plane" (qh, qh2: plane words,
         or Q6_K's crumbs, per quad of blocks)."""
+        if self.rows16:
+            return rows_of(self).replace(fn, shape)
         sb = block_format(self.fmt).super_block
         kinds = ("block", "super" if sb else "block", "super" if sb else "block", "plane", "plane", "block")
         fields = [None if t is None else fn(t, kind) for t, kind in zip(self.tensors(), kinds, strict=True)]
@@ -382,6 +387,95 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
     return QuantWeight(fmt, (n, k), qs, d, m, qh)
 
 
+# The formats with a 16-row layout (csrc/quant_common.h R16W).
+ROWS16_FORMATS = ("q4_0", "q4_1", "q4_k", "q6_k", "q8_0")
+
+
+def rows16_eligible(qw: QuantWeight) -> bool:
+    """Whether `interleave_rows16` takes this weight: a format of ROWS16_FORMATS, whole groups of 16 rows."""
+    return not qw.rows16 and qw.fmt in ROWS16_FORMATS and qw.shape[0] % 16 == 0 and qw.shape[0] > 0
+
+
+def interleave_rows16(qw: QuantWeight) -> QuantWeight:
+    """The same bytes reordered so that lane l of the kernel's vectors is row 16g + l (csrc/quant_common.h R16W):
+    per group of 16 rows and block, the codes of the 16 rows four bytes at a time (Q8_0: two codes at a time),
+    their scales side by side, Q6_K's high bits two crumbs a chunk.
+
+    Why: the row layout's decode kernel spends a convert, a multiply and an fma per 128 weights and (weight row,
+    x row), and decodes each block again per 3 rows of x; this layout spends them once per 512 weights and row
+    of x and decodes a block once for up to 6 rows, so a speculative verify step's 5 rows and a prompt's many
+    rows run one kernel (docs/measurements/quant-kernels.md, "Twenty-third session")."""
+    if not rows16_eligible(qw):
+        raise ValueError(f"interleave_rows16: {qw.fmt} [{qw.shape[0]}, {qw.shape[1]}] has no 16-row layout")
+    n, kb = qw.shape[0], qw.blocks
+    g = n // 16
+
+    def by_group(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [G, X, 16]
+        return t.reshape(g, 16, -1).permute(0, 2, 1).contiguous()
+
+    if qw.fmt == "q8_0":
+        qs = qw.qs.reshape(g, 16, kb, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    else:
+        qs = qw.qs.reshape(g, 16, kb, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    sc = qw.sc.reshape(g, 16, kb, 2).permute(0, 2, 3, 1).contiguous() if qw.sc is not None else None
+    hb = None
+    if qw.fmt == "q6_k":  # element 8p + 4u + c (low nibbles) and 16 + 8p + 4u + c (high): byte (p, row, c)
+        high = _crumb_codes(qw.qh, kb).to(torch.uint8).reshape(g, 16, kb, 2, 2, 2, 4)  # [.., half, p, u, c]
+        lo, hi = high[:, :, :, 0], high[:, :, :, 1]  # [g, 16, kb, p, u, c]
+        packed = lo[..., 0, :] | (hi[..., 0, :] << 2) | (lo[..., 1, :] << 4) | (hi[..., 1, :] << 6)
+        hb = packed.permute(0, 2, 3, 1, 4).contiguous()  # [G, KB, 2, 16, 4]
+    return QuantWeight(qw.fmt, qw.shape, qs, by_group(qw.d), None if qw.m is None else by_group(qw.m), hb, None,
+                       sc, rows16=True)
+
+
+ROWS16_ENV = "SERVELM_ROWS16"  # "0": keep the row layout on AVX-512 VNNI too (A/B measurements)
+
+
+def rows16_default(backend: str | None = None) -> bool:
+    """Whether a model's weights take the 16-row layout: on the AVX-512 VNNI int8 path, unless SERVELM_ROWS16=0."""
+    return (backend or kernel_backend()) == "avx512_vnni_i8" and os.environ.get(ROWS16_ENV, "1") != "0"
+
+
+def interleave_in_place(weights: list[QuantWeight]) -> int:
+    """`interleave_rows16` applied to each eligible weight of `weights` in place (the modules keep their
+    objects); returns how many were."""
+    done: set[int] = set()
+    for qw in weights:
+        if id(qw) in done or not rows16_eligible(qw):
+            continue
+        new = interleave_rows16(qw)
+        for f in _FIELDS:
+            setattr(qw, f, getattr(new, f))
+        qw.rows16 = True
+        done.add(id(qw))
+    return len(done)
+
+
+def rows_of(qw: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
+    """The rows `rows` (all when None) of a weight in the row layout: `interleave_rows16` undone."""
+    if not qw.rows16:
+        return qw if rows is None else qw.replace(lambda t, _: t[rows], (int(rows.numel()), qw.shape[1]))
+    n, kb = qw.shape[0], qw.blocks
+    idx = torch.arange(n) if rows is None else rows.reshape(-1).to(torch.long)
+    g, lane = idx // 16, idx % 16
+    qs = qw.qs[g, :, :, lane, :].reshape(len(idx), kb, -1)
+
+    def rows_from(t: torch.Tensor) -> torch.Tensor:  # [G, X, 16] -> [n, X]
+        return t[g, :, lane]
+
+    sc = qw.sc[g, :, :, lane] if qw.sc is not None else None
+    qh = None
+    if qw.fmt == "q6_k":
+        b = qw.qh[g, :, :, lane, :].to(torch.int32)  # [n, KB, p, c]
+        lo = torch.stack([b & 3, (b >> 4) & 3], dim=-2)  # [n, KB, p, u, c]
+        hi = torch.stack([(b >> 2) & 3, (b >> 6) & 3], dim=-2)
+        high = torch.stack([lo, hi], dim=2).reshape(len(idx), kb, 32)  # [n, KB, half, p, u, c]
+        qh = _quad_crumbs(high.numpy().astype(np.uint8))
+    return QuantWeight(qw.fmt, (len(idx), qw.shape[1]), qs.contiguous(), rows_from(qw.d).contiguous(),
+                       None if qw.m is None else rows_from(qw.m).contiguous(), qh, None,
+                       None if sc is None else sc.contiguous())
+
+
 _FIELDS = ("qs", "d", "m", "qh", "qh2", "sc")
 _HUGE = 2 << 20  # a transparent huge page
 # Fields of at least this size stay where they are: numpy advises huge pages for arrays from 4 MB on, and
@@ -436,6 +530,7 @@ def _libc(name: str, *args: object, linux_only: bool = False) -> None:
 
 def to_gguf(qw: QuantWeight) -> np.ndarray:
     """The ggml blocks of `qw`, uint8 [N, bytes_per_row] (inverse of `from_gguf`; the 32-weight formats)."""
+    qw = rows_of(qw)
     if block_format(qw.fmt).super_block:
         raise ValueError(f"to_gguf: {qw.fmt} is kept rearranged into 32-weight blocks; only the 32-weight formats "
                          "are written back")
@@ -473,6 +568,8 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 def _unpack(qw: QuantWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 [n, KB * 32] of the rows `rows` (all when None), padding included: exactly gguf's values."""
+    if qw.rows16:
+        qw, rows = rows_of(qw, rows), None
     fields = qw.tensors() if rows is None else tuple(None if t is None else t[rows] for t in qw.tensors())
     qs, d, m, qh, qh2, sc = fields
     f = block_format(qw.fmt)
@@ -732,6 +829,7 @@ def cat_rows(parts: list[QuantWeight]) -> QuantWeight:
     for p in parts:
         if p.fmt != fmt or p.shape[1] != k:
             raise ValueError(f"cat_rows: parts differ ({p.fmt}, K={p.shape[1]} vs {fmt}, K={k})")
+    parts = [rows_of(p) for p in parts]
     fields = [None if parts[0].tensors()[i] is None else torch.cat([p.tensors()[i] for p in parts])
               for i in range(len(parts[0].tensors()))]
     return QuantWeight(fmt, (sum(p.shape[0] for p in parts), k), *fields)

@@ -123,6 +123,8 @@ class ModelRunner:
         self._load_weights(source)
         self.model.eval()
         if self.device.type == "cpu":  # the quantised matrices in one huge-page buffer, in execution order
+            if quant.rows16_default():  # interleaved by 16 rows for the AVX-512 VNNI kernel (quant.interleave_rows16)
+                quant.interleave_in_place([qw for m in self.model.modules() for qw in _quant_weights(m, lookup=False)])
             quant.pack_weights([qw for m in self.model.modules() for qw in _quant_weights(m)])
         self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
         # The kernels, chosen once and frozen into the model's modules (no process-wide switch is read later).
@@ -420,11 +422,12 @@ class ModelRunner:
                     "normalize": self.pooling.normalize} if self.pooling is not None else {})}
 
 
-def _quant_weights(module: Any) -> list[Any]:
-    """The QuantWeights a module holds: a linear's weight or its parts, an embedding's lookup blocks."""
+def _quant_weights(module: Any, lookup: bool = True) -> list[Any]:
+    """The QuantWeights a module holds: a linear's weight or its parts, an embedding's lookup blocks (with
+    `lookup`)."""
     parts = getattr(module, "qweight_parts", None) or []
-    return [qw for qw in (getattr(module, "qweight", None), *parts, getattr(module, "lookup_qweight", None))
-            if qw is not None]
+    return [qw for qw in (getattr(module, "qweight", None), *parts, getattr(module, "lookup_qweight", None) if lookup
+                          else None) if qw is not None]
 
 
 def freeze_startup_heap() -> None:

@@ -443,6 +443,45 @@ constexpr int kPanelRows = 16;
 void panels_avx512_vnni_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 void panels_avx2_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 
+// Weights interleaved by 16 rows ("rows16": rows16_avx512_vnni.cpp; servelm.kernels.quant.interleave_rows16), the
+// AVX-512 VNNI int8 path's layout for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0: the same bytes as the row layout,
+// reordered so that lane l of every vector is weight row 16g + l. Per group g of 16 rows and block b:
+//   qs: nibble formats [G][KB][4 chunks][16 rows][4 bytes] (chunk j: a row's bytes 4j..4j+3 of the q4 layout, so
+//       elements 4j..4j+3 in the low nibbles, 16+4j..16+4j+3 in the high ones); Q8_0 [G][KB][16 pairs][16][2]
+//       (pair j: elements 2j, 2j+1);
+//   d, m: fp16 [G][KB][16] (k-quants: per super-block, [G][KB/8][16]);
+//   sc: the k-quants' two scale bytes [G][KB][2][16];
+//   hb: Q6_K's high bits [G][KB][2][16][4]: byte c of row l in half p holds chunk 2p's crumbs (element 8p+c in
+//       bits 0-1, 16+8p+c in bits 2-3) and chunk 2p+1's (bits 4-5, 6-7).
+struct R16W {
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;
+  const uint8_t* hb;
+  const uint8_t* sc;
+  int64_t G;
+  int64_t KB;
+  Fmt fmt;
+};
+// x for it. The nibble formats: the int8 scheme's codes in the quad layout (XQ.q8, row stride q8s bytes), s and
+// xsum per block (stride ss), init [M][KB][2] int32 (-offset * the block's sum of codes, split formats per half;
+// the first vpdpbusd's start). Q8_0: the int16 scheme's codes in the natural layout (q16, row stride q16s) and
+// its power-of-two scales s.
+struct R16X {
+  const int8_t* q8;
+  const int16_t* q16;
+  int64_t qstride;  // elements of q8 / q16 per row
+  const float* s;
+  const float* xsum;
+  int64_t ss;
+  const int32_t* init;
+  int64_t M;
+};
+inline bool rows16_format(Fmt f) { return f == Q4_0 || f == Q4_1 || f == Q4_K || f == Q6_K || f == Q8_0; }
+// y[:, 16 g0 : 16 g1] = x @ W[16 g0 : 16 g1].T (+ bias), y [M, 16 G]. Every output is one fixed sequence of
+// operations on its own rows of x and W, whatever M and the split: batch-invariant at every M.
+void rows16_gemm(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1);
+
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x
 // fp32 [M, KB * 32], each output one sequential fp32 sum over k (plus the bias, last). Numerically fp32 on the

@@ -751,17 +751,108 @@ SplitMinFn split_min_for(int64_t isa) {
 // thread.
 template <typename T>
 T* scratch(int slot, int64_t count) {
-  thread_local std::vector<uint8_t> bufs[3];
+  thread_local std::vector<uint8_t> bufs[4];
   std::vector<uint8_t>& b = bufs[slot];
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T) + 64;
   if (b.size() < bytes) b.resize(bytes);
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t{63});
 }
 
+// x @ W.T over weights interleaved by 16 rows (R16W; qs [G, KB, ...] 5-D): rows16_avx512_vnni.cpp at every M, x
+// rounded exactly as `linear`'s int8 path rounds it (Q8_0: its int16 scheme). Q6_K's high bits come in qh.
+at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                         const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
+                         const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
+                         const std::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(isa_available(isa, best_isa()) && base_isa(isa) >= kAvx512Vnni,
+              "servelm_quant: weights interleaved by 16 rows need the AVX-512 VNNI path (isa ", isa, ")");
+  TORCH_CHECK(fmt >= 0 && fmt < kNumFmts && rows16_format(static_cast<Fmt>(fmt)),
+              "servelm_quant: format ", fmt, " has no 16-row layout");
+  const Fmt f = static_cast<Fmt>(fmt);
+  TORCH_CHECK(x.device().is_cpu() && qs.device().is_cpu() && d.device().is_cpu(), "servelm_quant: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous fp32 [M, KB*32]");
+  TORCH_CHECK(qs.dim() == 5 && qs.is_contiguous() && qs.element_size() == 1 && qs.size(3) == 16 &&
+                  qs.size(2) * qs.size(4) == (f == Q8_0 ? 32 : 16),
+              "qs layout: [G, KB, chunks, 16, bytes] (16-row groups)");
+  const int64_t G = qs.size(0), KB = qs.size(1), N = G * 16, M = x.size(0), kp = KB * kBlock;
+  TORCH_CHECK(x.size(1) == kp, "x has ", x.size(1), " columns, the weight ", kp);
+  const bool kq = fmt_kquant(f);
+  TORCH_CHECK(!kq || KB % kSuper == 0, "k-quant weight: KB must be whole super-blocks");
+  const int64_t scales = G * (kq ? KB / kSuper : KB) * 16;
+  TORCH_CHECK(d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == scales, "d layout");
+  const auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(present(m) == fmt_has_min(f), "m is given exactly for the formats with a minimum");
+  if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->numel() == scales, "m layout");
+  TORCH_CHECK(present(qh) == (f == Q6_K) && !present(qh2), "qh is given exactly for Q6_K");
+  if (present(qh)) TORCH_CHECK(qh->is_contiguous() && qh->element_size() == 1 && qh->numel() == G * KB * 128, "qh layout");
+  TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
+  if (present(sc)) TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->numel() == G * KB * 32, "sc layout");
+  const float* bp = nullptr;
+  if (present(bias)) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == N, "bias: fp32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+#if defined(__x86_64__) || defined(_M_X64)
+  const float* xp = x.data_ptr<float>();
+  R16X xv{};
+  xv.M = M;
+  if (f == Q8_0) {
+    int16_t* qp = scratch<int16_t>(0, M * kp);
+    float* sp = scratch<float>(1, M * KB);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i) prep_row(xp + i * kp, KB, KB, kNatural, qp + i * kp, sp + i * KB, nullptr, nullptr);
+    });
+    xv.q16 = qp;
+    xv.qstride = kp;
+    xv.s = sp;
+    xv.ss = KB;
+  } else {
+    const int64_t KBq = (KB + 3) / 4 * 4, quads = KBq / 4;
+    const int off = fmt_offset(f);
+    const bool split = fmt_split(f);
+    const int64_t sstride = KBq * 2 + quads * 16;  // s [KBq] | xsum [KBq] | lane scales (unused here)
+    int8_t* qp = scratch<int8_t>(0, M * KBq * kBlock);
+    float* sp = scratch<float>(1, M * sstride);
+    int32_t* cp = off ? scratch<int32_t>(2, M * quads * 32) : nullptr;
+    int32_t* ip = off ? scratch<int32_t>(3, M * KB * 2) : nullptr;
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i) {
+        float* row = sp + i * sstride;
+        int32_t* c = cp ? cp + i * quads * 32 : nullptr;
+        prep_row_i8_avx512(xp + i * kp, KB, KBq, off, split, qp + i * KBq * kBlock, row, row + KBq, row + 2 * KBq, c);
+        if (!c) continue;
+        for (int64_t b = 0; b < KB; ++b) {  // the block's lanes of the corrections (prep_block_i8): its start
+          const int32_t* cb = c + b / 4 * 32 + b % 4 * 4;
+          ip[(i * KB + b) * 2] = cb[0] + cb[1] + cb[2] + cb[3];
+          ip[(i * KB + b) * 2 + 1] = cb[16] + cb[17] + cb[18] + cb[19];
+        }
+      }
+    });
+    xv.q8 = qp;
+    xv.qstride = KBq * kBlock;
+    xv.s = sp;
+    xv.xsum = sp + KBq;
+    xv.ss = sstride;
+    xv.init = ip;
+  }
+  R16W wv{static_cast<const uint8_t*>(qs.data_ptr()),
+          reinterpret_cast<const uint16_t*>(d.data_ptr()),
+          present(m) ? reinterpret_cast<const uint16_t*>(m->data_ptr()) : nullptr,
+          present(qh) ? static_cast<const uint8_t*>(qh->data_ptr()) : nullptr,
+          present(sc) ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, G, KB, f};
+  float* yp = y.data_ptr<float>();
+  over_weight_rows(N, [&](int64_t n0, int64_t n1) { rows16_gemm(xv, wv, bp, yp, n0 / 16, n1 / 16); });
+#endif
+  return y;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const std::optional<at::Tensor>& m,
                   const std::optional<at::Tensor>& qh, const std::optional<at::Tensor>& qh2,
                   const std::optional<at::Tensor>& sc, int64_t fmt, const std::optional<at::Tensor>& bias,
                   int64_t isa) {
+  if (qs.dim() == 5) return linear_rows16(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);
   const float* bp;
   const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
   const int64_t N = w.N, KB = w.KB, M = x.size(0), kp = KB * kBlock;
@@ -867,6 +958,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
                         const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
                         const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
                         const std::optional<at::Tensor>& bias, int64_t isa) {
+  if (qs.dim() == 5) return linear_rows16(x, qs, d, m, qh, qh2, sc, fmt, bias, isa);  // one kernel at every M
   const float* bp;
   const QWeight w = checked(x, qs, d, m, qh, qh2, sc, fmt, bias, &bp);
   at::Tensor y = linear_tiles_body(x, w, bp, isa);
