@@ -20,6 +20,9 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
   unpacked from the 12-byte field), Q2_K's its halves' bytes as in the file (4-bit scale | 4-bit minimum << 4;
   `m` holds its super-blocks' dmin); IQ4_XS's one, [N, KB, 1]: its 6-bit scale - 32 as int8 (unpacked from
   scales_l/scales_h).
+On the AVX-512 VNNI int8 path a model's Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 matrices are then interleaved by 16 rows
+(`interleave_rows16`, `rows16=True`: the same bytes, lane l of the kernel's vectors row 16g + l), which one kernel
+reads at every M; `rows_of` gives rows back to everything else (lookups, dequantisation, row and column operations).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
 file's bytes (1.00x for Q6_K and Q2_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, 1.04x for Q3_K, whose 6-bit
 scales are unpacked to bytes; fp32 had taken Q2_K 12.2x), Q2_K's minimum term added after the kernel
@@ -438,17 +441,47 @@ def rows16_default(backend: str | None = None) -> bool:
 
 def interleave_in_place(weights: list[QuantWeight]) -> int:
     """`interleave_rows16` applied to each eligible weight of `weights` in place (the modules keep their
-    objects); returns how many were."""
-    done: set[int] = set()
+    objects), their fields written one after another (in the order given: a model's execution order) into one
+    buffer advised for transparent huge pages, as `pack_weights` does for the others; returns how many were.
+    Each weight's row copy goes as its interleaved one is written, so the process holds one model's bytes and
+    one weight's more (the buffer's pages are touched as they are written)."""
+    todo: list[QuantWeight] = []
+    seen: set[int] = set()
     for qw in weights:
-        if id(qw) in done or not rows16_eligible(qw):
-            continue
+        if id(qw) not in seen and rows16_eligible(qw):
+            seen.add(id(qw))
+            todo.append(qw)
+    total = sum(_aligned(t) for qw in todo for t in qw.tensors() if t is not None)
+    if total == 0:
+        return 0
+    buf, at = _huge_buffer(total)
+    for qw in todo:
         new = interleave_rows16(qw)
         for f in _FIELDS:
-            setattr(qw, f, getattr(new, f))
+            t = getattr(new, f)
+            if t is not None:
+                dst = buf[at: at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                dst.copy_(t)
+                at += _aligned(t)
+                t = dst
+            setattr(qw, f, t)
         qw.rows16 = True
-        done.add(id(qw))
-    return len(done)
+    _libc("malloc_trim", ctypes.c_size_t(0))  # the row copies were malloc'd: give their pages back
+    return len(todo)
+
+
+def _aligned(t: torch.Tensor) -> int:
+    """A field's bytes in a packed buffer: 64-byte aligned."""
+    return -(-t.numel() * t.element_size() // 64) * 64
+
+
+def _huge_buffer(total: int) -> tuple[torch.Tensor, int]:
+    """An uninitialised byte buffer with `total` bytes from a huge-page boundary (its offset) on, advised for
+    transparent huge pages."""
+    buf = torch.empty(total + _HUGE, dtype=torch.uint8)
+    at = -buf.data_ptr() % _HUGE  # huge-page aligned
+    _libc("madvise", ctypes.c_void_p(buf.data_ptr() + at), ctypes.c_size_t(total), 14, linux_only=True)  # MADV_HUGEPAGE
+    return buf, at
 
 
 def rows_of(qw: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
@@ -495,19 +528,17 @@ def pack_weights(weights: list[QuantWeight]) -> int:
     seen: set[int] = set()
     fields: list[tuple[QuantWeight, str, torch.Tensor, int]] = []  # (weight, field, tensor, its aligned bytes)
     for qw in weights:
-        if id(qw) in seen:
+        if id(qw) in seen or qw.rows16:  # interleave_in_place packed those already
             continue
         seen.add(id(qw))
         for f in _FIELDS:
             t = getattr(qw, f)
-            if t is not None and (nb := t.numel() * t.element_size()) < _PACK_BELOW:
-                fields.append((qw, f, t, -(-nb // 64) * 64))
+            if t is not None and t.numel() * t.element_size() < _PACK_BELOW:
+                fields.append((qw, f, t, _aligned(t)))
     total = sum(size for *_, size in fields)
     if total == 0:
         return 0
-    buf = torch.empty(total + _HUGE, dtype=torch.uint8)
-    at = -buf.data_ptr() % _HUGE  # huge-page aligned
-    _libc("madvise", ctypes.c_void_p(buf.data_ptr() + at), ctypes.c_size_t(total), 14, linux_only=True)  # MADV_HUGEPAGE
+    buf, at = _huge_buffer(total)
     for qw, f, t, size in fields:
         dst = buf[at: at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         dst.copy_(t)

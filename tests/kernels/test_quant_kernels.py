@@ -573,3 +573,126 @@ def test_rounding_of_x_in_avx512_gives_the_scalar_bits(offset, split, op):
     for a, b in zip(scalar, vector, strict=True):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b)
+
+
+# The 16-row layout (quant.interleave_rows16; csrc/rows16_avx512_vnni.cpp): the AVX-512 VNNI int8 path's
+# weights in a model, read by one kernel at every M.
+ROWS16 = [f for f in quant.ROWS16_FORMATS]
+needs_vnni = pytest.mark.skipif("avx512_vnni_i8" not in INT8_PATHS, reason="needs AVX-512 VNNI")
+
+
+def _rows16_weight(fmt: str, n: int, k: int, seed: int) -> quant.QuantWeight:
+    return _random_k(fmt, n, k, seed=seed)[1] if fmt in K_QUANTS else _weight(n, k, fmt, seed=seed)[1]
+
+
+@pytest.mark.parametrize("fmt", ROWS16)
+def test_rows16_layout_holds_the_same_bytes(fmt):
+    """Interleaving reorders the bytes (the same count), and every reader of rows gets them back: the rows,
+    dequantisation, embedding lookups, row and column operations."""
+    n, k = 48, 768
+    qw = _rows16_weight(fmt, n, k, seed=5)
+    il = quant.interleave_rows16(qw)
+    assert il.rows16 and not qw.rows16 and il.nbytes == qw.nbytes and il.shape == qw.shape
+    back = quant.rows_of(il)
+    for a, b in zip(qw.tensors(), back.tensors(), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert torch.equal(quant.dequantize(il), quant.dequantize(qw))
+    ids = torch.tensor([[0, 47], [17, 17], [31, 2]])
+    assert torch.equal(quant.embedding(ids, il), quant.embedding(ids, qw))
+    sub = quant.rows_of(il, torch.tensor([3, 40, 16]))
+    assert torch.equal(quant.dequantize(sub), quant.dequantize(qw)[[3, 40, 16]])
+    assert torch.equal(quant.dequantize(quant.narrow_rows(il, 16, 20)), quant.dequantize(qw)[16:36])
+    fb = quant.block_format(fmt).file_block
+    assert torch.equal(quant.dequantize(quant.narrow_cols(il, fb, fb)), quant.dequantize(qw)[:, fb: 2 * fb])
+    assert torch.equal(quant.dequantize(quant.cat_rows([il, qw])), torch.cat([quant.dequantize(qw)] * 2))
+
+
+def test_rows16_takes_whole_groups_of_its_formats():
+    assert not quant.rows16_eligible(_weight(40, 64, "q4_1", seed=1)[1])  # 40 rows: not whole groups
+    assert not quant.rows16_eligible(_weight(32, 64, "q5_0", seed=1)[1])  # no 16-row kernel for Q5_0
+    with pytest.raises(ValueError, match="no 16-row layout"):
+        quant.interleave_rows16(_weight(40, 64, "q4_1", seed=1)[1])
+    qw = _weight(32, 64, "q4_1", seed=1)[1]
+    il = quant.interleave_rows16(qw)
+    assert not quant.rows16_eligible(il)
+    mixed = [qw, il, _weight(40, 64, "q4_1", seed=2)[1], qw]
+    assert quant.interleave_in_place(mixed) == 1 and mixed[0].rows16 and not mixed[2].rows16
+    storage = {t.untyped_storage().data_ptr() for t in mixed[0].tensors() if t is not None}
+    assert len(storage) == 1 and mixed[0].qs.data_ptr() % (2 << 20) == 0  # one huge-page buffer
+    assert torch.equal(quant.dequantize(mixed[0]), quant.dequantize(qw))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ROWS16)
+def test_rows16_kernel_matches_the_row_kernel(fmt):
+    """The same codes of x and exact int32 block products as the row layout's micro-kernel, summed in another
+    fp32 order: within fp32 rounding of it, and within the rounding bound of the exact product; over K not a
+    multiple of a quad of blocks (KB = 3, 18), several groups, rows of x in one to many tiles (a verify step's
+    5, a prompt's 70; 300 crosses a block of x's rows at K = 4,608), blocks of very different scales, a bias."""
+    g = torch.Generator().manual_seed(31)
+    quant.force_backend("avx512_vnni_i8")
+    try:
+        shapes = ((48, 256), (32, 4608)) if fmt in K_QUANTS else ((48, 96), (32, 576), (16, 4608))
+        for n, k in shapes:
+            qw = _rows16_weight(fmt, n, k, seed=n)
+            il = quant.interleave_rows16(qw)
+            bias = torch.randn(n, generator=g)
+            for m in (1, 2, 5, 6, 7, 13, 70) + ((300,) if k == 4608 else ()):
+                x = torch.randn(m, k, generator=g)
+                x[0, :32] *= 1000
+                x[m // 2, -40:] = 0
+                b = bias if m % 2 else None
+                y = quant.linear(x, il, b)
+                row = quant.linear(x, qw, b, invariant=True)
+                scale = x.double().abs() @ quant.dequantize(qw).double().abs().T + (bias.double().abs() if m % 2 else 0)
+                assert bool(((y.double() - row.double()).abs() <= 2e-6 * scale).all()), (n, k, m)
+                if m < 70:
+                    _check_close(y, x, qw, b)
+    finally:
+        quant.force_backend(None)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ROWS16)
+def test_rows16_kernel_is_batch_invariant_at_every_m(fmt):
+    """One kernel at every M: a row's bits are the same alone, in any batch (a prompt's many rows included), through
+    `linear` and `linear_tiles`, deterministic mode or not, with 1 or 2 threads; a nan or inf in one row of x
+    reaches only that row's outputs."""
+    g = torch.Generator().manual_seed(6)
+    quant.force_backend("avx512_vnni_i8")
+    threads = torch.get_num_threads()
+    try:
+        k = 512 if fmt in K_QUANTS else 576
+        il = quant.interleave_rows16(_rows16_weight(fmt, 64, k, seed=4))
+        bias = torch.randn(64, generator=g)
+        x = torch.randn(80, k, generator=g)
+        full = quant.linear(x, il, bias)
+        assert torch.equal(quant.linear(x, il, bias, invariant=True), full)
+        tiles = torch.ops.servelm_quant.linear_tiles.default(x, *il.tensors(), quant.block_format(fmt).code, bias,
+                                                               quant.isa_index())
+        assert torch.equal(tiles, full)
+        torch.set_num_threads(1)
+        for rows in (slice(0, 1), slice(5, 10), slice(36, 37), slice(3, 80)):
+            assert torch.equal(quant.linear(x[rows], il, bias), full[rows])
+        torch.set_num_threads(threads)
+        bad = x[:3].clone()
+        bad[1, 7] = float("nan")
+        bad[2, 100] = float("inf")
+        y = quant.linear(bad, il, bias)
+        assert torch.equal(y[0], full[0]) and bool(y[1].isnan().all()) and not bool(y[2].isfinite().any())
+    finally:
+        torch.set_num_threads(threads)
+        quant.force_backend(None)
+
+
+@needs_vnni
+def test_rows16_weights_need_the_vnni_path():
+    il = quant.interleave_rows16(_weight(32, 64, "q4_0", seed=1)[1])
+    x = torch.randn(2, 64)
+    for other in ("avx2_i8", "avx512_vnni"):  # another path's scheme is never computed on this layout
+        with pytest.raises(RuntimeError, match="interleaved by 16 rows need the avx512_vnni_i8 path"):
+            torch.ops.servelm_quant.linear.default(x, *il.tensors(), quant.block_format("q4_0").code, None,
+                                                   quant.isa_index(other))
+    with pytest.raises(RuntimeError, match="qs layout"):
+        torch.ops.servelm_quant.linear.default(x, il.qs[:, :, :2].contiguous(), *il.tensors()[1:],
+                                               quant.block_format("q4_0").code, None, quant.isa_index("avx512_vnni_i8"))

@@ -185,11 +185,26 @@ def _logits_int16(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     rounding would measure x's rounding, not the kept blocks' values."""
     frozen = runner.kernels  # the model's kernels are frozen at build: swapped here for one forward
     int16 = {"avx512_vnni_i8": "avx512_vnni", "avx2_i8": "avx2"}.get(frozen.quant, frozen.quant)
+    # the 16-row layout is the int8 path's alone: its weights go back to rows for this forward
+    interleaved = [qw for m in runner.model.modules()
+                   for qw in (getattr(m, "qweight", None), *(getattr(m, "qweight_parts", None) or []))
+                   if qw is not None and qw.rows16]
+    saved = [dataclasses.replace(qw) for qw in interleaved]
+    for qw in interleaved:
+        rows = quant.rows_of(qw)
+        for f in quant._FIELDS:
+            setattr(qw, f, getattr(rows, f))
+        qw.rows16 = False
+    runner.model.model.__dict__.pop("_fused_stack_cache", None)  # its C++ stack holds the tensors it was built on
     freeze_kernels(runner.model, dataclasses.replace(frozen, quant=int16))
     try:
         return _logits(runner, ids)
     finally:
         freeze_kernels(runner.model, frozen)
+        for qw, old in zip(interleaved, saved, strict=True):
+            for f in (*quant._FIELDS, "rows16"):
+                setattr(qw, f, getattr(old, f))
+        runner.model.model.__dict__.pop("_fused_stack_cache", None)
 
 
 def _int8_scheme_error(runner: ModelRunner, ids: list[int], ref: torch.Tensor) -> float:
@@ -239,13 +254,17 @@ def test_deterministic_mode_rows_do_not_depend_on_the_batch(backend: str | None)
     ("LlamaForCausalLM", "llama", "IQ4_NL", {"tie_word_embeddings": False}),  # nibbles through a table
 ])
 def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, arch: str, gguf_arch: str, fmt: str,
-                                                    extra: dict) -> None:
-    """Blocks kept from the file hold the very values `none` dequantises: the logits agree to fp32 rounding."""
+                                                    extra: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks kept from the file hold the very values `none` dequantises: the logits agree to fp32 rounding. The
+    AVX-512 VNNI path's 16-row layout computes the row layout's model: the same codes of x, another fp32 order."""
     from tests.models.test_model_loader import _tiny_model
 
     write_gguf(tmp_path / "m.gguf", gguf_arch, _tiny_model(arch, **extra), quantize=fmt)
     common = {"model_path": str(tmp_path / "m.gguf"), "tokenizer_path": str(tiny_llama[0]), "max_total_tokens": 64}
     fp32 = ModelRunner(ServerArgs(**common, quantization="none"))
+    rows16 = ModelRunner(ServerArgs(**common))
+    expect_rows16 = quant.rows16_default() and fmt.lower() in quant.ROWS16_FORMATS
+    monkeypatch.setenv(quant.ROWS16_ENV, "0")  # the row layout, which every kernel path reads
     kept = ModelRunner(ServerArgs(**common))
     assert set(kept.weight_formats()) == {fmt.lower()} and set(fp32.weight_formats()) == {"float32"}
     ids = [5, 17, 30, 42, 7, 60, 11]
@@ -254,6 +273,9 @@ def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, a
     err = _int8_scheme_error(kept, ids, ref)
     print(f"{fmt}: default scheme {quant.activation_scheme(fmt.lower())}, relative error {err:.4f}")
     assert err < 0.05
+    interleaved = [qw.rows16 for m in rows16.model.modules() for qw in [getattr(m, "qweight", None)] if qw is not None]
+    assert any(interleaved) == expect_rows16
+    torch.testing.assert_close(_logits(rows16, ids), _logits(kept, ids), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(("quantize", "hidden", "formats", "v0"), [

@@ -764,8 +764,10 @@ at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Te
                          const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
                          const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
                          const std::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(isa_available(isa, best_isa()) && base_isa(isa) >= kAvx512Vnni,
-              "servelm_quant: weights interleaved by 16 rows need the AVX-512 VNNI path (isa ", isa, ")");
+  // the layout belongs to the int8 path's kernel (Q8_0: its int16 scheme, as that path's row kernel): another
+  // path's scheme (the int16 one's codes of x for the nibble formats) is never computed silently on it
+  TORCH_CHECK(isa == kAvx512VnniI8 && isa_available(isa, best_isa()),
+              "servelm_quant: weights interleaved by 16 rows need the avx512_vnni_i8 path (isa ", isa, ")");
   TORCH_CHECK(fmt >= 0 && fmt < kNumFmts && rows16_format(static_cast<Fmt>(fmt)),
               "servelm_quant: format ", fmt, " has no 16-row layout");
   const Fmt f = static_cast<Fmt>(fmt);
