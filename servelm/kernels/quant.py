@@ -20,9 +20,10 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
   unpacked from the 12-byte field), Q2_K's its halves' bytes as in the file (4-bit scale | 4-bit minimum << 4;
   `m` holds its super-blocks' dmin); IQ4_XS's one, [N, KB, 1]: its 6-bit scale - 32 as int8 (unpacked from
   scales_l/scales_h).
-On the AVX-512 VNNI int8 path a model's Q4_0, Q4_1, Q4_K, Q6_K and Q8_0 matrices are then interleaved by 16 rows
-(`interleave_rows16`, `rows16=True`: the same bytes, lane l of the kernel's vectors row 16g + l), which one kernel
-reads at every M; `rows_of` gives rows back to everything else (lookups, dequantisation, row and column operations).
+On the AVX-512 VNNI int8 path a model's Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 matrices are then
+interleaved by 16 rows (`interleave_rows16`, `rows16=True`: the same bytes, lane l of the kernel's vectors row
+16g + l), which one kernel reads at every M; `rows_of` gives rows back to everything else (lookups,
+dequantisation, row and column operations).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the
 file's bytes (1.00x for Q6_K and Q2_K, 1.02x for IQ4_XS, 1.03x for Q4_K and Q5_K, 1.04x for Q3_K, whose 6-bit
 scales are unpacked to bytes; fp32 had taken Q2_K 12.2x), Q2_K's minimum term added after the kernel
@@ -391,7 +392,7 @@ def from_gguf(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> QuantWeight:
 
 
 # The formats with a 16-row layout (csrc/quant_common.h R16W).
-ROWS16_FORMATS = ("q4_0", "q4_1", "q4_k", "q6_k", "q8_0")
+ROWS16_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "q8_0")
 
 
 def rows16_eligible(qw: QuantWeight) -> bool:
@@ -402,7 +403,7 @@ def rows16_eligible(qw: QuantWeight) -> bool:
 def interleave_rows16(qw: QuantWeight) -> QuantWeight:
     """The same bytes reordered so that lane l of the kernel's vectors is row 16g + l (csrc/quant_common.h R16W):
     per group of 16 rows and block, the codes of the 16 rows four bytes at a time (Q8_0: two codes at a time),
-    their scales side by side, Q6_K's high bits two crumbs a chunk.
+    their scales side by side, Q6_K's high bits two crumbs a chunk, the q5s' fifth bits two a chunk.
 
     Why: the row layout's decode kernel spends a convert, a multiply and an fma per 128 weights and (weight row,
     x row), and decodes each block again per 3 rows of x; this layout spends them once per 512 weights and row
@@ -427,6 +428,12 @@ def interleave_rows16(qw: QuantWeight) -> QuantWeight:
         lo, hi = high[:, :, :, 0], high[:, :, :, 1]  # [g, 16, kb, p, u, c]
         packed = lo[..., 0, :] | (hi[..., 0, :] << 2) | (lo[..., 1, :] << 4) | (hi[..., 1, :] << 6)
         hb = packed.permute(0, 2, 3, 1, 4).contiguous()  # [G, KB, 2, 16, 4]
+    elif qw.qh is not None:  # the fifth bits: element 4j + c's at bit 2j of byte (row, c), 16 + 4j + c's at 2j + 1
+        words = torch.from_numpy(_block_words(qw.qh, kb).astype(np.int64)).reshape(g, 16, kb, 1, 1)
+        j, c = torch.arange(4).view(4, 1), torch.arange(4).view(1, 4)
+        lo, hi = (words >> (4 * j + c)) & 1, (words >> (16 + 4 * j + c)) & 1  # [g, 16, kb, j, c]
+        packed = ((lo << (2 * j)) | (hi << (2 * j + 1))).sum(dim=3).to(torch.uint8)  # [g, 16, kb, c]
+        hb = packed.permute(0, 2, 1, 3).contiguous()  # [G, KB, 16, 4]
     return QuantWeight(qw.fmt, qw.shape, qs, by_group(qw.d), None if qw.m is None else by_group(qw.m), hb, None,
                        sc, rows16=True)
 
@@ -504,6 +511,11 @@ def rows_of(qw: QuantWeight, rows: torch.Tensor | None = None) -> QuantWeight:
         hi = torch.stack([(b >> 2) & 3, (b >> 6) & 3], dim=-2)
         high = torch.stack([lo, hi], dim=2).reshape(len(idx), kb, 32)  # [n, KB, half, p, u, c]
         qh = _quad_crumbs(high.numpy().astype(np.uint8))
+    elif qw.qh is not None:
+        b = qw.qh[g, :, lane, :].to(torch.int64).unsqueeze(-2)  # [n, KB, 1 (j), c]
+        j, c = torch.arange(4).view(4, 1), torch.arange(4).view(1, 4)
+        bits = (((b >> (2 * j)) & 1) << (4 * j + c)) | (((b >> (2 * j + 1)) & 1) << (16 + 4 * j + c))
+        qh = _quad_planes(bits.sum(dim=(-2, -1)).numpy().astype(np.uint32))
     return QuantWeight(qw.fmt, (len(idx), qw.shape[1]), qs.contiguous(), rows_from(qw.d).contiguous(),
                        None if qw.m is None else rows_from(qw.m).contiguous(), qh, None,
                        None if sc is None else sc.contiguous())

@@ -609,7 +609,7 @@ def test_rows16_layout_holds_the_same_bytes(fmt):
 
 def test_rows16_takes_whole_groups_of_its_formats():
     assert not quant.rows16_eligible(_weight(40, 64, "q4_1", seed=1)[1])  # 40 rows: not whole groups
-    assert not quant.rows16_eligible(_weight(32, 64, "q5_0", seed=1)[1])  # no 16-row kernel for Q5_0
+    assert not quant.rows16_eligible(_rows16_weight("iq4_nl", 32, 256, seed=1))  # no 16-row kernel for IQ4_NL
     with pytest.raises(ValueError, match="no 16-row layout"):
         quant.interleave_rows16(_weight(40, 64, "q4_1", seed=1)[1])
     qw = _weight(32, 64, "q4_1", seed=1)[1]

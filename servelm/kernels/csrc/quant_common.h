@@ -444,7 +444,7 @@ void panels_avx512_vnni_i8(const XP&, const QWeight&, const float*, float*, int6
 void panels_avx2_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 
 // Weights interleaved by 16 rows ("rows16": rows16_avx512_vnni.cpp; servelm.kernels.quant.interleave_rows16), the
-// AVX-512 VNNI int8 path's layout for Q4_0, Q4_1, Q4_K, Q6_K and Q8_0: the same bytes as the row layout,
+// AVX-512 VNNI int8 path's layout for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0: the same bytes as the row layout,
 // reordered so that lane l of every vector is weight row 16g + l. Per group g of 16 rows and block b:
 //   qs: nibble formats [G][KB][4 chunks][16 rows][4 bytes] (chunk j: a row's bytes 4j..4j+3 of the q4 layout, so
 //       elements 4j..4j+3 in the low nibbles, 16+4j..16+4j+3 in the high ones); Q8_0 [G][KB][16 pairs][16][2]
@@ -452,7 +452,8 @@ void panels_avx2_i8(const XP&, const QWeight&, const float*, float*, int64_t, in
 //   d, m: fp16 [G][KB][16] (k-quants: per super-block, [G][KB/8][16]);
 //   sc: the k-quants' two scale bytes [G][KB][2][16];
 //   hb: Q6_K's high bits [G][KB][2][16][4]: byte c of row l in half p holds chunk 2p's crumbs (element 8p+c in
-//       bits 0-1, 16+8p+c in bits 2-3) and chunk 2p+1's (bits 4-5, 6-7).
+//       bits 0-1, 16+8p+c in bits 2-3) and chunk 2p+1's (bits 4-5, 6-7); the fifth bits of Q5_0, Q5_1 and Q5_K
+//       [G][KB][16][4]: byte c of row l holds element 4j+c's in bit 2j and 16+4j+c's in bit 2j+1 (j 0..3).
 struct R16W {
   const uint8_t* qs;
   const uint16_t* d;
@@ -477,7 +478,9 @@ struct R16X {
   const int32_t* init;
   int64_t M;
 };
-inline bool rows16_format(Fmt f) { return f == Q4_0 || f == Q4_1 || f == Q4_K || f == Q6_K || f == Q8_0; }
+inline bool rows16_format(Fmt f) {
+  return f == Q4_0 || f == Q4_1 || f == Q5_0 || f == Q5_1 || f == Q4_K || f == Q5_K || f == Q6_K || f == Q8_0;
+}
 // y[:, 16 g0 : 16 g1] = x @ W[16 g0 : 16 g1].T (+ bias), y [M, 16 G]. Every output is one fixed sequence of
 // operations on its own rows of x and W, whatever M and the split: batch-invariant at every M.
 void rows16_gemm(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1);

@@ -785,8 +785,10 @@ at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Te
   const auto present = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   TORCH_CHECK(present(m) == fmt_has_min(f), "m is given exactly for the formats with a minimum");
   if (present(m)) TORCH_CHECK(m->is_contiguous() && m->scalar_type() == at::kHalf && m->numel() == scales, "m layout");
-  TORCH_CHECK(present(qh) == (f == Q6_K) && !present(qh2), "qh is given exactly for Q6_K");
-  if (present(qh)) TORCH_CHECK(qh->is_contiguous() && qh->element_size() == 1 && qh->numel() == G * KB * 128, "qh layout");
+  TORCH_CHECK(present(qh) == (fmt_planes(f) > 0) && !present(qh2), "qh is given exactly for Q5_0, Q5_1, Q5_K, Q6_K");
+  if (present(qh))
+    TORCH_CHECK(qh->is_contiguous() && qh->element_size() == 1 && qh->numel() == G * KB * (f == Q6_K ? 128 : 64),
+                "qh layout: uint8 [G, KB, (2,) 16, 4]");
   TORCH_CHECK(present(sc) == kq, "sc is given exactly for the k-quants");
   if (present(sc)) TORCH_CHECK(sc->is_contiguous() && sc->element_size() == 1 && sc->numel() == G * KB * 32, "sc layout");
   const float* bp = nullptr;

@@ -1,6 +1,6 @@
 // The AVX-512 VNNI kernel over weights interleaved by 16 rows ("rows16", layout in quant_common.h R16W): every M,
-// decode, speculative verify rows and prompts alike, for Q4_0, Q4_1, Q4_K, Q6_K (int8 x, vpdpbusd) and Q8_0 (int16
-// x, vpdpwssd).
+// decode, speculative verify rows and prompts alike, for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (int8 x, vpdpbusd)
+// and Q8_0 (int16 x, vpdpwssd).
 //
 // Why a layout of its own: the row-layout decode kernel (quant_avx512.inc micro_i8) holds four lanes of each of a
 // quad's blocks in a vector, so every 128 weights cost two vpdpbusd plus a convert, a multiply and an fma per
@@ -44,15 +44,19 @@ inline __m512i bcast4(const void* p) {
 
 template <Fmt F, int R>
 void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const float* bias, float* y) {
-  constexpr bool q8 = F == Q8_0, kq = F == Q4_K || F == Q6_K, split = F == Q6_K;
-  constexpr bool offset = F == Q4_0 || F == Q6_K;
+  constexpr bool q8 = F == Q8_0, kq = F == Q4_K || F == Q5_K || F == Q6_K, split = F == Q6_K;
+  constexpr bool offset = F == Q4_0 || F == Q5_0 || F == Q6_K;
+  constexpr bool plane = F == Q5_0 || F == Q5_1 || F == Q5_K;  // a fifth bit per code (+16)
+  constexpr bool minimum = F == Q4_1 || F == Q5_1;             // per-block fp16 minimum
+  constexpr bool kmin = F == Q4_K || F == Q5_K;                // dmin * 6-bit minimum
   constexpr int64_t qb = kQBytes<F>;
   const int64_t KB = w.KB, N = w.G * 16, ns = kq ? KB / kSuper : KB;
   const uint8_t* qs = w.qs + g * KB * qb;
   const uint16_t* dg = w.d + g * ns * 16;
-  const uint16_t* mg = (F == Q4_1 || F == Q4_K) ? w.m + g * ns * 16 : nullptr;
+  const uint16_t* mg = (minimum || kmin) ? w.m + g * ns * 16 : nullptr;
   const uint8_t* scg = kq ? w.sc + g * KB * 32 : nullptr;
-  const uint8_t* hbg = split ? w.hb + g * KB * 128 : nullptr;
+  constexpr int64_t hbb = split ? 128 : 64;  // high-bit bytes per (group, block)
+  const uint8_t* hbg = (split || plane) ? w.hb + g * KB * hbb : nullptr;
   const int8_t* xq[R];
   const int16_t* xw[R];
   const float* xs[R];
@@ -84,10 +88,8 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
         prefetch(dg + (b + ahead) * 16);
         if (mg) prefetch(mg + (b + ahead) * 16);
       }
-      if constexpr (split) {
-        prefetch(hbg + (b + ahead) * 128);
-        prefetch(hbg + (b + ahead) * 128 + 64);
-      }
+      if constexpr (split || plane) prefetch(hbg + (b + ahead) * hbb);
+      if constexpr (split) prefetch(hbg + (b + ahead) * hbb + 64);
     }
     __m512i a0[R], a1[R];
     for (int r = 0; r < R; ++r) {
@@ -106,6 +108,7 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
     } else {
       const int64_t qd = (b >> 2) * 128 + (b & 3) * 16;  // block b in x's quad layout
       __m512i hv = _mm512_setzero_si512();
+      if constexpr (plane) hv = _mm512_loadu_si512(hbg + b * 64);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const __m512i raw = _mm512_loadu_si512(p + 64 * j);
@@ -120,6 +123,14 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
             hi = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi16(hv, 2), two, 0xF8);
           }
         }
+        if constexpr (plane) {  // chunk j's fifth bits: byte bit 2j (low nibbles') and 2j + 1 (high), to 0x10
+          const __m512i bit = _mm512_set1_epi8(0x10);
+          const auto at4 = [&](int from) {  // bit `from` of each byte moved to bit 4 (within the byte)
+            return from <= 4 ? _mm512_slli_epi16(hv, 4 - from) : _mm512_srli_epi16(hv, from - 4);
+          };
+          lo = _mm512_ternarylogic_epi32(lo, at4(2 * j), bit, 0xF8);
+          hi = _mm512_ternarylogic_epi32(hi, at4(2 * j + 1), bit, 0xF8);
+        }
         for (int r = 0; r < R; ++r) {
           a0[r] = _mm512_dpbusd_epi32(a0[r], lo, bcast4(xq[r] + qd + 4 * j));
           a1[r] = _mm512_dpbusd_epi32(a1[r], hi, bcast4(xq[r] + qd + 64 + 4 * j));
@@ -129,7 +140,7 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
     if constexpr (kq) {
       if ((b & (kSuper - 1)) == 0) {
         dsup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b / kSuper * 16)));
-        if constexpr (F == Q4_K)
+        if constexpr (kmin)
           msup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b / kSuper * 16)));
       }
     }
@@ -144,20 +155,20 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
       }
     } else {
       __m512 dv, mv = _mm512_setzero_ps();
-      if constexpr (F == Q4_K) {  // d * 6-bit scale and dmin * 6-bit minimum, exact
+      if constexpr (kmin) {  // d * 6-bit scale and dmin * 6-bit minimum, exact
         const __m128i* sp = reinterpret_cast<const __m128i*>(scg + b * 32);
         dv = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sp))));
         mv = _mm512_mul_ps(msup, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(sp + 1))));
       } else {
         dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(dg + b * 16)));
-        if constexpr (F == Q4_1)
+        if constexpr (minimum)
           mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b * 16)));
       }
       for (int r = 0; r < R; ++r) {
         const __m512 iv = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r]));
         tot[r] = _mm512_fmadd_ps(iv, _mm512_mul_ps(dv, _mm512_set1_ps(xs[r][b])), tot[r]);
-        if constexpr (F == Q4_1) tot[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xm[r][b]), tot[r]);
-        if constexpr (F == Q4_K) tot[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xm[r][b]), tot[r]);
+        if constexpr (minimum) tot[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xm[r][b]), tot[r]);
+        if constexpr (kmin) tot[r] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(xm[r][b]), tot[r]);
       }
     }
   }
@@ -195,7 +206,10 @@ void rows16_gemm(const R16X& x, const R16W& w, const float* bias, float* y, int6
   switch (w.fmt) {
     case Q4_0: run<Q4_0>(x, w, bias, y, g0, g1); break;
     case Q4_1: run<Q4_1>(x, w, bias, y, g0, g1); break;
+    case Q5_0: run<Q5_0>(x, w, bias, y, g0, g1); break;
+    case Q5_1: run<Q5_1>(x, w, bias, y, g0, g1); break;
     case Q4_K: run<Q4_K>(x, w, bias, y, g0, g1); break;
+    case Q5_K: run<Q5_K>(x, w, bias, y, g0, g1); break;
     case Q6_K: run<Q6_K>(x, w, bias, y, g0, g1); break;
     case Q8_0: run<Q8_0>(x, w, bias, y, g0, g1); break;
     default: break;  // the caller checks rows16_format
