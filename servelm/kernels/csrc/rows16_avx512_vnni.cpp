@@ -44,11 +44,14 @@ inline __m512i bcast4(const void* p) {
 
 template <Fmt F, int R>
 void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const float* bias, float* y) {
-  constexpr bool q8 = F == Q8_0, kq = F == Q4_K || F == Q5_K || F == Q6_K, split = F == Q6_K;
-  constexpr bool offset = F == Q4_0 || F == Q5_0 || F == Q6_K;
-  constexpr bool plane = F == Q5_0 || F == Q5_1 || F == Q5_K;  // a fifth bit per code (+16)
-  constexpr bool minimum = F == Q4_1 || F == Q5_1;             // per-block fp16 minimum
-  constexpr bool kmin = F == Q4_K || F == Q5_K;                // dmin * 6-bit minimum
+  using T = Traits<F>;  // the formats rows16_format names: no lookup table, no crumb codes
+  static_assert(!T::lut && !T::crumb_codes && (T::nibbles || F == Q8_0), "a format without a 16-row layout");
+  constexpr bool q8 = !T::nibbles, kq = T::kquant, split = T::split;
+  constexpr bool offset = T::offset != 0;
+  constexpr bool plane = T::planes == 1;                  // a fifth bit per code (+16)
+  static_assert(!split || T::crumbs, "split scales: Q6_K's crumbs");
+  constexpr bool minimum = T::has_min && !kq;             // per-block fp16 minimum
+  constexpr bool kmin = T::has_min && kq;                 // dmin * 6-bit minimum
   constexpr int64_t qb = kQBytes<F>;
   const int64_t KB = w.KB, N = w.G * 16, ns = kq ? KB / kSuper : KB;
   const uint8_t* qs = w.qs + g * KB * qb;
@@ -144,7 +147,7 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
           msup = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mg + b / kSuper * 16)));
       }
     }
-    if constexpr (F == Q6_K) {  // an int8 scale per half block: d * scale, exact
+    if constexpr (split) {  // an int8 scale per half block: d * scale, exact
       const __m128i* sp = reinterpret_cast<const __m128i*>(scg + b * 32);
       const __m512 d0 = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sp))));
       const __m512 d1 = _mm512_mul_ps(dsup, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(sp + 1))));
