@@ -43,6 +43,7 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
         raise
     if workers is not None:
         runner.dead_rank_reporter = workers.report_death
+    rows16 = getattr(runner, "rows16", False)  # the 16-row kernel's cheaper verify rows: more drafts by default
     cfg = SchedulerConfig(num_pages=runner.num_pages, page_size=server_args.page_size,
                           chunked_prefill_size=server_args.step_token_budget(runner.device.type),
                           max_running_requests=server_args.max_running_requests,
@@ -51,7 +52,8 @@ def build_scheduler(server_args: ServerArgs) -> Scheduler:
                           disable_radix_cache=server_args.disable_radix_cache,
                           random_seed=server_args.random_seed,
                           deterministic=server_args.enable_deterministic_inference,
-                          speculative=None if embedding else server_args.spec_config(), embedding=embedding)
+                          speculative=None if embedding else server_args.spec_config(rows16=rows16),
+                          embedding=embedding)
     disk = None
     if server_args.prefix_cache_dir and not server_args.disable_radix_cache:
         from servelm.mem_cache.disk_cache import DiskPrefixCache

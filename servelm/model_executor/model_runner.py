@@ -105,6 +105,7 @@ class ModelRunner:
         self._remote_failure: str | None = None  # the line naming another node's lost rank, logged once
         self._sender: StepSender | None = None  # rank 0 under TP: carries the steps to the followers
         self.device = resolve_device(server_args.device)
+        self.rows16 = False  # the weights interleaved by 16 rows (quant.interleave_rows16), set at load
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         check_device_support(server_args, self.device)
         if self.device.type == "cpu":  # activations' freed memory stays for the next step (cpu_memory.py)
@@ -124,7 +125,8 @@ class ModelRunner:
         self.model.eval()
         if self.device.type == "cpu":  # the quantised matrices in one huge-page buffer, in execution order
             if quant.rows16_default():  # interleaved by 16 rows for the AVX-512 VNNI kernel (quant.interleave_rows16)
-                quant.interleave_in_place([qw for m in self.model.modules() for qw in _quant_weights(m, lookup=False)])
+                self.rows16 = quant.interleave_in_place(
+                    [qw for m in self.model.modules() for qw in _quant_weights(m, lookup=False)]) > 0
             quant.pack_weights([qw for m in self.model.modules() for qw in _quant_weights(m)])
         self.fast_path = not server_args.disable_fast_path and self.model.prepack_weights() > 0
         # The kernels, chosen once and frozen into the model's modules (no process-wide switch is read later).

@@ -227,6 +227,14 @@ def test_flags_and_vllm_config() -> None:
     assert args.replace(port=1).spec_config() == cfg
     assert ServerArgs(speculative_algorithm="NGRAM").spec_config().algorithm == "ngram"
     assert ServerArgs().spec_config() is None
+    # k by default: 8 drafts from the context where the weights take the 16-row kernel, else (and for a draft
+    # model, whose every proposal costs a step of it) 4; a given k stays
+    ngram = ServerArgs(speculative_algorithm="ngram")
+    assert (ngram.spec_config().num_draft_tokens, ngram.spec_config(rows16=True).num_draft_tokens) == (4, 8)
+    assert ServerArgs(speculative_algorithm="suffix").spec_config(rows16=True).num_draft_tokens == 8
+    assert args.spec_config(rows16=True).num_draft_tokens == 3
+    draft = ServerArgs(speculative_algorithm="draft", speculative_draft_model_path="x")
+    assert draft.spec_config(rows16=True).num_draft_tokens == 4
     with pytest.raises(ConfigError, match="not supported; choose one of: ngram, suffix, draft"):
         ServerArgs(speculative_algorithm="eagle")
     with pytest.raises(ConfigError, match="num-draft-tokens must be in"):
