@@ -45,6 +45,7 @@ see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumula
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -417,10 +418,11 @@ def interleave_rows16(qw: QuantWeight) -> QuantWeight:
     def by_group(t: torch.Tensor) -> torch.Tensor:  # [N, X] -> [G, X, 16]
         return t.reshape(g, 16, -1).permute(0, 2, 1).contiguous()
 
-    if qw.fmt == "q8_0":
-        qs = qw.qs.reshape(g, 16, kb, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-    else:
-        qs = qw.qs.reshape(g, 16, kb, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    # the codes moved in their units (4 bytes; Q8_0's pairs 2): a strided copy of bytes was 4x the elements
+    unit, width = (torch.int16, 2) if qw.fmt == "q8_0" else (torch.int32, 4)
+    units = qw.qs.contiguous().view(torch.uint8).reshape(n, kb, -1, width).view(unit).squeeze(-1)  # [N, KB, chunks]
+    qs = units.reshape(g, 16, kb, -1).permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [G, KB, chunks, 16 * width]
+    qs = qs.reshape(g, kb, -1, 16, width).view(qw.qs.dtype)
     sc = qw.sc.reshape(g, 16, kb, 2).permute(0, 2, 3, 1).contiguous() if qw.sc is not None else None
     hb = None
     if qw.fmt == "q6_k":  # element 8p + 4u + c (low nibbles) and 16 + 8p + 4u + c (high): byte (p, row, c)
@@ -438,6 +440,7 @@ def interleave_rows16(qw: QuantWeight) -> QuantWeight:
                        sc, rows16=True)
 
 
+_ROWS16_CHUNK = 4096  # weight rows interleaved at a time at load (a multiple of 16)
 ROWS16_ENV = "SERVELM_ROWS16"  # "0": keep the row layout on AVX-512 VNNI too (A/B measurements)
 
 
@@ -463,15 +466,25 @@ def interleave_in_place(weights: list[QuantWeight]) -> int:
         return 0
     buf, at = _huge_buffer(total)
     for qw in todo:
-        new = interleave_rows16(qw)
+        # _ROWS16_CHUNK rows at a time: the fields are group-major, so a chunk's groups are a slice of each; the
+        # temporaries stay small (Q6_K's high bits unpack to 128 bytes a weight row and block: 1 GB for a 128k
+        # vocabulary at once)
+        out: dict[str, torch.Tensor] = {}
+        for r0 in range(0, qw.shape[0], _ROWS16_CHUNK):
+            rows = min(_ROWS16_CHUNK, qw.shape[0] - r0)
+            part = interleave_rows16(qw if rows == qw.shape[0] else narrow_rows(qw, r0, rows))
+            for f in _FIELDS:
+                t = getattr(part, f)
+                if t is None:
+                    continue
+                if f not in out:  # the whole field's place in the buffer: G groups where the part has its own
+                    shape = (qw.shape[0] // 16, *t.shape[1:])
+                    nbytes = t.element_size() * math.prod(shape)
+                    out[f] = buf[at: at + nbytes].view(t.dtype).view(shape)
+                    at += -(-nbytes // 64) * 64
+                out[f][r0 // 16: (r0 + rows) // 16] = t
         for f in _FIELDS:
-            t = getattr(new, f)
-            if t is not None:
-                dst = buf[at: at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                dst.copy_(t)
-                at += _aligned(t)
-                t = dst
-            setattr(qw, f, t)
+            setattr(qw, f, out.get(f))
         qw.rows16 = True
     _libc("malloc_trim", ctypes.c_size_t(0))  # the row copies were malloc'd: give their pages back
     return len(todo)

@@ -622,6 +622,18 @@ def test_rows16_takes_whole_groups_of_its_formats():
     assert torch.equal(quant.dequantize(mixed[0]), quant.dequantize(qw))
 
 
+@pytest.mark.parametrize("fmt", ["q6_k", "q5_0", "q8_0"])
+def test_rows16_in_place_by_chunks_of_rows(fmt, monkeypatch):
+    """At load a weight is interleaved a chunk of rows at a time into its place in the buffer: the same fields
+    as at once."""
+    qw = _rows16_weight(fmt, 80, 256, seed=9)
+    whole = quant.interleave_rows16(qw)
+    monkeypatch.setattr(quant, "_ROWS16_CHUNK", 32)  # chunks of 32, 32 and 16 rows
+    assert quant.interleave_in_place([qw]) == 1
+    for a, b in zip(qw.tensors(), whole.tensors(), strict=True):
+        assert (a is None and b is None) or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
+
+
 @needs_vnni
 @pytest.mark.parametrize("fmt", ROWS16)
 def test_rows16_kernel_matches_the_row_kernel(fmt):
