@@ -264,7 +264,7 @@ class ServerArgs:
 
         k = self.speculative_num_draft_tokens
         if k is None:
-            k = 8 if rows16 and self.speculative_algorithm.lower() != "draft" else 4
+            k = 8 if rows16 and self.speculative_algorithm != "draft" else 4  # lower-cased at init
         return SpecConfig(self.speculative_algorithm, k,
                           self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
                           self.speculative_max_batch, draft_model_path=self.speculative_draft_model_path)

@@ -461,6 +461,7 @@ def interleave_in_place(weights: list[QuantWeight]) -> int:
         if id(qw) not in seen and rows16_eligible(qw):
             seen.add(id(qw))
             todo.append(qw)
+    # the row fields' bytes bound the interleaved ones' (equal, but the q5s' plane words pad KB to whole quads)
     total = sum(_aligned(t) for qw in todo for t in qw.tensors() if t is not None)
     if total == 0:
         return 0

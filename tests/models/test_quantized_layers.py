@@ -16,7 +16,7 @@ from servelm.layers.embedding import VocabParallelEmbedding
 from servelm.layers.kernel_choice import freeze_kernels
 from servelm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, quant_linear
 from servelm.model_executor.forward_batch import ForwardBatch
-from servelm.model_executor.model_runner import ModelRunner
+from servelm.model_executor.model_runner import ModelRunner, _quant_weights
 from servelm.model_loader import load_model_source
 from servelm.model_loader.quantization import resolve_quantization
 from tests.conftest import build_tiny_model
@@ -186,9 +186,7 @@ def _logits_int16(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
     frozen = runner.kernels  # the model's kernels are frozen at build: swapped here for one forward
     int16 = {"avx512_vnni_i8": "avx512_vnni", "avx2_i8": "avx2"}.get(frozen.quant, frozen.quant)
     # the 16-row layout is the int8 path's alone: its weights go back to rows for this forward
-    interleaved = [qw for m in runner.model.modules()
-                   for qw in (getattr(m, "qweight", None), *(getattr(m, "qweight_parts", None) or []))
-                   if qw is not None and qw.rows16]
+    interleaved = [qw for m in runner.model.modules() for qw in _quant_weights(m, lookup=False) if qw.rows16]
     saved = [dataclasses.replace(qw) for qw in interleaved]
     for qw in interleaved:
         rows = quant.rows_of(qw)
@@ -273,8 +271,7 @@ def test_kept_blocks_compute_the_dequantised_model(tmp_path: Path, tiny_llama, a
     err = _int8_scheme_error(kept, ids, ref)
     print(f"{fmt}: default scheme {quant.activation_scheme(fmt.lower())}, relative error {err:.4f}")
     assert err < 0.05
-    interleaved = [qw.rows16 for m in rows16.model.modules() for qw in [getattr(m, "qweight", None)] if qw is not None]
-    assert any(interleaved) == expect_rows16
+    assert any(qw.rows16 for m in rows16.model.modules() for qw in _quant_weights(m, lookup=False)) == expect_rows16
     torch.testing.assert_close(_logits(rows16, ids), _logits(kept, ids), rtol=1e-4, atol=1e-4)
 
 
