@@ -170,8 +170,9 @@ class QuantWeight:
     qh: torch.Tensor | None = None
     qh2: torch.Tensor | None = None
     sc: torch.Tensor | None = None
-    # The fields interleaved by 16 rows (`interleave_rows16`): the AVX-512 VNNI path's layout, read at every M
-    # by csrc/rows16_avx512_vnni.cpp. Everything else reads rows (`rows_of` gives them back).
+    # The fields interleaved by 16 rows (`interleave_rows16`): the int8 paths' layout, read at every M by
+    # csrc/rows16_avx512_vnni.cpp (avx2_i8: csrc/rows16_avx2.cpp, the same bits). Everything else reads rows
+    # (`rows_of` gives them back).
     rows16: bool = False
 
     @property
@@ -441,12 +442,14 @@ def interleave_rows16(qw: QuantWeight) -> QuantWeight:
 
 
 _ROWS16_CHUNK = 4096  # weight rows interleaved at a time at load (a multiple of 16)
-ROWS16_ENV = "SERVELM_ROWS16"  # "0": keep the row layout on AVX-512 VNNI too (A/B measurements)
+ROWS16_ENV = "SERVELM_ROWS16"  # "0": keep the row layout on the int8 paths too (A/B measurements)
+ROWS16_PATHS = ("avx512_vnni_i8", "avx2_i8")  # the kernel paths with a 16-row kernel
 
 
 def rows16_default(backend: str | None = None) -> bool:
-    """Whether a model's weights take the 16-row layout: on the AVX-512 VNNI int8 path, unless SERVELM_ROWS16=0."""
-    return (backend or kernel_backend()) == "avx512_vnni_i8" and os.environ.get(ROWS16_ENV, "1") != "0"
+    """Whether a model's weights take the 16-row layout: on the int8 paths (AVX-512 VNNI, AVX2), unless
+    SERVELM_ROWS16=0."""
+    return (backend or kernel_backend()) in ROWS16_PATHS and os.environ.get(ROWS16_ENV, "1") != "0"
 
 
 def interleave_in_place(weights: list[QuantWeight]) -> int:
@@ -785,7 +788,7 @@ def activation_scheme(fmt: str, backend: str | None = None) -> str:
     return "int8"
 
 
-def activation_block(fmt: str, backend: str | None = None) -> int:
+def activation_block(fmt: str, backend: str | None = None, rows16: bool = False) -> int:
     """The values of x that share one int8 scale d = amax / 127 on the int8 scheme (`activation_scheme` "int8"):
     32 (llama.cpp's Q8_0), or 256 for the k-quants with integer block scales (q3_k .. q6_k) on avx2_i8
     (llama.cpp's Q8_K), there with a power-of-two sub-scale per block of 32, d * 2^-e, e the largest e <= 6 with
@@ -793,9 +796,11 @@ def activation_block(fmt: str, backend: str | None = None) -> int:
     super-block's scaled blocks in int32 and scales once per 256 weights, where a scale per block of x had cost
     fp32 work per pair of blocks; the sub-scales keep each block's resolution within 2x of its own scale's (one
     d per 256 alone had cost 1.3-1.5 points of top-1 agreement on a Q4_K_M file of the default model's weights).
-    The panel GEMM rounds x the same way."""
+    The panel GEMM rounds x the same way. `rows16`: a weight in the 16-row layout, whose kernels round x per
+    block of 32 on every int8 path."""
     backend = backend or kernel_backend()
-    return 256 if backend == "avx2_i8" and fmt in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k") else BLOCK
+    k_super = fmt in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k") and not rows16
+    return 256 if backend == "avx2_i8" and k_super else BLOCK
 
 
 def batch_invariant(backend: str | None = None) -> bool:

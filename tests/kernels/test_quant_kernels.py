@@ -92,15 +92,20 @@ def _without_min(qw: quant.QuantWeight) -> quant.QuantWeight:
     return dataclasses.replace(qw, shape=(qw.shape[0], qw.blocks * quant.BLOCK), m=torch.zeros_like(qw.m))
 
 
-def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None) -> None:
+def _check_close(y: torch.Tensor, x: torch.Tensor, qw: quant.QuantWeight, bias: torch.Tensor | None,
+                 rows16: bool = False) -> None:
+    """y = x @ W.T (+ bias) within fp32 rounding and half a step of x's codes an element. `rows16`: y came from
+    the weight in the 16-row layout (one kernel at every M, x per block of 32)."""
     w = quant.dequantize(qw).double()
     ref = x.double() @ w.T + (bias.double() if bias is not None else 0)
     bound = (x.double().abs() @ w.abs().T) * 2e-6 + 1e-6  # fp32 rounding of a K-term sum, generously
     scheme = quant.activation_scheme(qw.fmt)
-    if scheme != "fp32" and x.shape[0] >= quant.tiles_min_rows(qw.fmt, quant.kernel_backend()):
+    many = x.shape[0] >= quant.tiles_min_rows(qw.fmt, quant.kernel_backend())
+    if scheme != "fp32" and many and not rows16:
         scheme = quant.many_rows_scheme(qw.fmt, k=x.shape[-1])  # the many-rows path: fp32 tiles or a panel GEMM
     if scheme != "fp32":  # x rounded to codes: half a step an element
-        bound = bound + (_code_step(x.double(), scheme, quant.activation_block(qw.fmt)) / 2) @ w.abs().T
+        block = quant.activation_block(qw.fmt, rows16=rows16)
+        bound = bound + (_code_step(x.double(), scheme, block) / 2) @ w.abs().T
     assert y.dtype == torch.float32 and y.shape == ref.shape
     assert bool(((y.double() - ref).abs() <= bound).all()), float((y.double() - ref).abs().max())
 
@@ -575,10 +580,11 @@ def test_rounding_of_x_in_avx512_gives_the_scalar_bits(offset, split, op):
                            b.view(torch.int32) if b.dtype == torch.float32 else b)
 
 
-# The 16-row layout (quant.interleave_rows16; csrc/rows16_avx512_vnni.cpp): the AVX-512 VNNI int8 path's
-# weights in a model, read by one kernel at every M.
+# The 16-row layout (quant.interleave_rows16; csrc/rows16_avx512_vnni.cpp, csrc/rows16_avx2.cpp): the int8
+# paths' weights in a model, read by one kernel at every M.
 ROWS16 = [f for f in quant.ROWS16_FORMATS]
-needs_vnni = pytest.mark.skipif("avx512_vnni_i8" not in INT8_PATHS, reason="needs AVX-512 VNNI")
+ROWS16_PATHS = [p for p in quant.ROWS16_PATHS if p in INT8_PATHS]
+needs_int8 = pytest.mark.skipif(not ROWS16_PATHS, reason="needs AVX2 or AVX-512 VNNI")
 
 
 def _rows16_weight(fmt: str, n: int, k: int, seed: int) -> quant.QuantWeight:
@@ -634,44 +640,85 @@ def test_rows16_in_place_by_chunks_of_rows(fmt, monkeypatch):
         assert (a is None and b is None) or (a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b))
 
 
-@needs_vnni
+@pytest.mark.parametrize("path", ROWS16_PATHS)
 @pytest.mark.parametrize("fmt", ROWS16)
-def test_rows16_kernel_matches_the_row_kernel(fmt):
-    """The same codes of x and exact int32 block products as the row layout's micro-kernel, summed in another
-    fp32 order: within fp32 rounding of it, and within the rounding bound of the exact product; over K not a
-    multiple of a quad of blocks (KB = 3, 18), several groups, rows of x in one to many tiles (a verify step's
-    5, a prompt's 70; 300 crosses a block of x's rows at K = 4,608), blocks of very different scales, a bias."""
+def test_rows16_kernel_matches_the_row_kernel(fmt, path):
+    """The same codes of x and exact int32 block products as the AVX-512 VNNI row layout's micro-kernel, summed in
+    another fp32 order: within fp32 rounding of it, and within the rounding bound of the exact product; over K not
+    a multiple of a quad of blocks (KB = 3, 18), several groups, rows of x in one to many tiles (a verify step's
+    5, a prompt's 70; 300 crosses a block of x's rows at K = 4,608), blocks of very different scales, a bias. The
+    AVX2 path's row kernel rounds the k-quants' x per 256 (`quant.activation_block`), so there its 16-row kernel
+    is held to the AVX-512 VNNI row kernel where the CPU has one, to the exact product alone where not."""
     g = torch.Generator().manual_seed(31)
-    quant.force_backend("avx512_vnni_i8")
+    row_path = "avx512_vnni_i8" if "avx512_vnni_i8" in INT8_PATHS else path
+    compare_rows = quant.activation_block(fmt, row_path) == quant.BLOCK
     try:
         shapes = ((48, 256), (32, 4608)) if fmt in K_QUANTS else ((48, 96), (32, 576), (16, 4608))
         for n, k in shapes:
             qw = _rows16_weight(fmt, n, k, seed=n)
             il = quant.interleave_rows16(qw)
             bias = torch.randn(n, generator=g)
-            for m in (1, 2, 5, 6, 7, 13, 70) + ((300,) if k == 4608 else ()):
+            for m in (1, 2, 3, 4, 5, 6, 7, 13, 70) + ((300,) if k == 4608 else ()):
                 x = torch.randn(m, k, generator=g)
                 x[0, :32] *= 1000
                 x[m // 2, -40:] = 0
                 b = bias if m % 2 else None
+                quant.force_backend(path)
                 y = quant.linear(x, il, b)
-                row = quant.linear(x, qw, b, invariant=True)
-                scale = x.double().abs() @ quant.dequantize(qw).double().abs().T + (bias.double().abs() if m % 2 else 0)
-                assert bool(((y.double() - row.double()).abs() <= 2e-6 * scale).all()), (n, k, m)
-                if m < 70:
-                    _check_close(y, x, qw, b)
+                if compare_rows:
+                    quant.force_backend(row_path)
+                    row = quant.linear(x, qw, b, invariant=True)
+                    scale = x.double().abs() @ quant.dequantize(qw).double().abs().T
+                    scale = scale + (bias.double().abs() if m % 2 else 0)
+                    assert bool(((y.double() - row.double()).abs() <= 2e-6 * scale).all()), (n, k, m)
+                quant.force_backend(path)
+                _check_close(y, x, qw, b, rows16=True)
     finally:
         quant.force_backend(None)
 
 
-@needs_vnni
+@pytest.mark.skipif(ROWS16_PATHS != list(quant.ROWS16_PATHS), reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", ROWS16)
-def test_rows16_kernel_is_batch_invariant_at_every_m(fmt):
+def test_rows16_avx2_kernel_is_bitwise_the_avx512_one(fmt):
+    """The AVX2 kernel's int16 sums of vpmaddubsw pairs give the exact int32 block products of vpdpbusd, and its
+    fp32 steps are the AVX-512 kernel's one for one: the same bits at every M (each tile size, one or both halves
+    of a group a pass), with biases, minimums, offsets, scales of very different sizes and codes at their extremes
+    (|x| codes of 127 against the largest weight codes: the int16 sums' worst case)."""
+    g = torch.Generator().manual_seed(12)
+    try:
+        for n, k in ((48, 256), (32, 2304)) if fmt in K_QUANTS else ((48, 96), (32, 4608)):
+            qw = _rows16_weight(fmt, n, k, seed=n + 1)
+            il = quant.interleave_rows16(qw)
+            bias = torch.randn(n, generator=g)
+            for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 70):
+                x = torch.randn(m, k, generator=g)
+                x[0, :32] *= 1000
+                x[-1] = x[-1].sign() * 3.0  # every code +-127
+                b = bias if m % 2 else None
+                quant.force_backend("avx512_vnni_i8")
+                ref = quant.linear(x, il, b)
+                quant.force_backend("avx2_i8")
+                assert torch.equal(quant.linear(x, il, b), ref), (n, k, m)
+            # every weight code at its largest (nibbles 15, fifth and high bits set; Q8_0 -128) against x's +127
+            top = dataclasses.replace(il, qs=torch.full_like(il.qs, -128 if fmt == "q8_0" else 0xFF),
+                                      qh=None if il.qh is None else torch.full_like(il.qh, 0xFF))
+            x = torch.full((3, k), 3.0)
+            quant.force_backend("avx512_vnni_i8")
+            ref = quant.linear(x, top)
+            quant.force_backend("avx2_i8")
+            assert torch.equal(quant.linear(x, top), ref)
+    finally:
+        quant.force_backend(None)
+
+
+@pytest.mark.parametrize("path", ROWS16_PATHS)
+@pytest.mark.parametrize("fmt", ROWS16)
+def test_rows16_kernel_is_batch_invariant_at_every_m(fmt, path):
     """One kernel at every M: a row's bits are the same alone, in any batch (a prompt's many rows included), through
     `linear` and `linear_tiles`, deterministic mode or not, with 1 or 2 threads; a nan or inf in one row of x
     reaches only that row's outputs."""
     g = torch.Generator().manual_seed(6)
-    quant.force_backend("avx512_vnni_i8")
+    quant.force_backend(path)
     threads = torch.get_num_threads()
     try:
         k = 512 if fmt in K_QUANTS else 576
@@ -697,14 +744,14 @@ def test_rows16_kernel_is_batch_invariant_at_every_m(fmt):
         quant.force_backend(None)
 
 
-@needs_vnni
-def test_rows16_weights_need_the_vnni_path():
+@needs_int8
+def test_rows16_weights_need_an_int8_path():
     il = quant.interleave_rows16(_weight(32, 64, "q4_0", seed=1)[1])
     x = torch.randn(2, 64)
-    for other in ("avx2_i8", "avx512_vnni"):  # another path's scheme is never computed on this layout
-        with pytest.raises(RuntimeError, match="interleaved by 16 rows need the avx512_vnni_i8 path"):
+    for other in [p for p in ("avx2", "avx512_vnni") if p in KERNELS]:  # another scheme is never computed on it
+        with pytest.raises(RuntimeError, match="interleaved by 16 rows need the avx512_vnni_i8 or avx2_i8 path"):
             torch.ops.servelm_quant.linear.default(x, *il.tensors(), quant.block_format("q4_0").code, None,
                                                    quant.isa_index(other))
     with pytest.raises(RuntimeError, match="qs layout"):
         torch.ops.servelm_quant.linear.default(x, il.qs[:, :, :2].contiguous(), *il.tensors()[1:],
-                                               quant.block_format("q4_0").code, None, quant.isa_index("avx512_vnni_i8"))
+                                               quant.block_format("q4_0").code, None, quant.isa_index(ROWS16_PATHS[0]))

@@ -484,6 +484,7 @@ inline bool rows16_format(Fmt f) {
 // y[:, 16 g0 : 16 g1] = x @ W[16 g0 : 16 g1].T (+ bias), y [M, 16 G]. Every output is one fixed sequence of
 // operations on its own rows of x and W, whatever M and the split: batch-invariant at every M.
 void rows16_gemm(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1);
+void rows16_gemm_avx2(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1);
 
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x

@@ -758,16 +758,19 @@ T* scratch(int slot, int64_t count) {
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t{63});
 }
 
-// x @ W.T over weights interleaved by 16 rows (R16W; qs [G, KB, ...] 5-D): rows16_avx512_vnni.cpp at every M, x
-// rounded exactly as `linear`'s int8 path rounds it (Q8_0: its int16 scheme). Q6_K's high bits come in qh.
+// x @ W.T over weights interleaved by 16 rows (R16W; qs [G, KB, ...] 5-D): rows16_avx512_vnni.cpp (avx2_i8:
+// rows16_avx2.cpp, the same bits) at every M, x rounded as the avx512_vnni_i8 path's `linear` rounds it (per
+// block of 32, on avx2_i8 too, where the row kernel rounds the k-quants' x per 256; Q8_0: the int16 scheme).
+// Q6_K's high bits come in qh.
 at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                          const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
                          const std::optional<at::Tensor>& qh2, const std::optional<at::Tensor>& sc, int64_t fmt,
                          const std::optional<at::Tensor>& bias, int64_t isa) {
-  // the layout belongs to the int8 path's kernel (Q8_0: its int16 scheme, as that path's row kernel): another
-  // path's scheme (the int16 one's codes of x for the nibble formats) is never computed silently on it
-  TORCH_CHECK(isa == kAvx512VnniI8 && isa_available(isa, best_isa()),
-              "servelm_quant: weights interleaved by 16 rows need the avx512_vnni_i8 path (isa ", isa, ")");
+  // the layout belongs to the int8 paths' kernels (Q8_0: their int16 scheme, as those paths' row kernels):
+  // another path's scheme (the int16 one's codes of x for the nibble formats) is never computed silently on it
+  TORCH_CHECK((isa == kAvx512VnniI8 || isa == kAvx2I8) && isa_available(isa, best_isa()),
+              "servelm_quant: weights interleaved by 16 rows need the avx512_vnni_i8 or avx2_i8 path (isa ", isa, ")");
+  const bool avx512 = isa == kAvx512VnniI8;
   TORCH_CHECK(fmt >= 0 && fmt < kNumFmts && rows16_format(static_cast<Fmt>(fmt)),
               "servelm_quant: format ", fmt, " has no 16-row layout");
   const Fmt f = static_cast<Fmt>(fmt);
@@ -825,7 +828,8 @@ at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Te
       for (int64_t i = m0; i < m1; ++i) {
         float* row = sp + i * sstride;
         int32_t* c = cp ? cp + i * quads * 32 : nullptr;
-        prep_row_i8_avx512(xp + i * kp, KB, KBq, off, split, qp + i * KBq * kBlock, row, row + KBq, row + 2 * KBq, c);
+        (avx512 ? prep_row_i8_avx512 : prep_row_i8)(xp + i * kp, KB, KBq, off, split, qp + i * KBq * kBlock, row,
+                                                     row + KBq, row + 2 * KBq, c);
         if (!c) continue;
         for (int64_t b = 0; b < KB; ++b) {  // the block's lanes of the corrections (prep_block_i8): its start
           const int32_t* cb = c + b / 4 * 32 + b % 4 * 4;
@@ -847,7 +851,8 @@ at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Te
           present(qh) ? static_cast<const uint8_t*>(qh->data_ptr()) : nullptr,
           present(sc) ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, G, KB, f};
   float* yp = y.data_ptr<float>();
-  over_weight_rows(N, [&](int64_t n0, int64_t n1) { rows16_gemm(xv, wv, bp, yp, n0 / 16, n1 / 16); });
+  const auto gemm = avx512 ? rows16_gemm : rows16_gemm_avx2;
+  over_weight_rows(N, [&](int64_t n0, int64_t n1) { gemm(xv, wv, bp, yp, n0 / 16, n1 / 16); });
 #endif
   return y;
 }

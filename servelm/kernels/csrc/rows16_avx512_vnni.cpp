@@ -28,7 +28,8 @@
 namespace servelm_quant {
 namespace {
 
-constexpr int kTile = 6;             // rows of x per tile: 3 accumulators a row, 18 of the 32 registers
+template <Fmt F>
+constexpr int kTile = 6;  // rows of x per tile: 3 accumulators a row, 18 of the 32 registers
 constexpr int64_t kAhead = 4096;     // bytes of codes prefetched ahead (the thread's one stream of groups)
 
 template <Fmt F>
@@ -180,43 +181,12 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
     _mm512_storeu_ps(y + (i0 + r) * N + g * 16, bias ? _mm512_add_ps(tot[r], bv) : tot[r]);
 }
 
-template <Fmt F>
-void run(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1) {
-  // x's rows in blocks of ~256 KB of codes, each met by every group of the range (a group's weights, up to
-  // 16 x K codes, stay in L1/L2 across the block's tiles); the weights stream from memory once per block of x
-  const int64_t row_bytes = x.qstride * (F == Q8_0 ? 2 : 1);
-  const int64_t mb = std::max<int64_t>(kTile, (256 << 10) / row_bytes / kTile * kTile);
-  for (int64_t m0 = 0; m0 < x.M; m0 += mb) {
-    const int64_t m1 = std::min(x.M, m0 + mb);
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t i0 = m0; i0 < m1; i0 += kTile) {
-        const bool pf = i0 == m0;  // the group's first tile streams it in; the others find it in cache
-        switch (std::min<int64_t>(kTile, m1 - i0)) {
-          case 1: tile<F, 1>(x, w, g, i0, pf, bias, y); break;
-          case 2: tile<F, 2>(x, w, g, i0, pf, bias, y); break;
-          case 3: tile<F, 3>(x, w, g, i0, pf, bias, y); break;
-          case 4: tile<F, 4>(x, w, g, i0, pf, bias, y); break;
-          case 5: tile<F, 5>(x, w, g, i0, pf, bias, y); break;
-          default: tile<F, 6>(x, w, g, i0, pf, bias, y); break;
-        }
-      }
-  }
-}
+#include "rows16_driver.inc"
 
 }  // namespace
 
 void rows16_gemm(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1) {
-  switch (w.fmt) {
-    case Q4_0: run<Q4_0>(x, w, bias, y, g0, g1); break;
-    case Q4_1: run<Q4_1>(x, w, bias, y, g0, g1); break;
-    case Q5_0: run<Q5_0>(x, w, bias, y, g0, g1); break;
-    case Q5_1: run<Q5_1>(x, w, bias, y, g0, g1); break;
-    case Q4_K: run<Q4_K>(x, w, bias, y, g0, g1); break;
-    case Q5_K: run<Q5_K>(x, w, bias, y, g0, g1); break;
-    case Q6_K: run<Q6_K>(x, w, bias, y, g0, g1); break;
-    case Q8_0: run<Q8_0>(x, w, bias, y, g0, g1); break;
-    default: break;  // the caller checks rows16_format
-  }
+  run_any(x, w, bias, y, g0, g1);
 }
 
 }  // namespace servelm_quant
