@@ -20,8 +20,8 @@ kernel reads, field by field out of the file's blocks (`FORMATS` is the registry
   unpacked from the 12-byte field), Q2_K's its halves' bytes as in the file (4-bit scale | 4-bit minimum << 4;
   `m` holds its super-blocks' dmin); IQ4_XS's one, [N, KB, 1]: its 6-bit scale - 32 as int8 (unpacked from
   scales_l/scales_h).
-On the AVX-512 VNNI int8 path a model's Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 matrices are then
-interleaved by 16 rows (`interleave_rows16`, `rows16=True`: the same bytes, lane l of the kernel's vectors row
+On the int8 paths (AVX-512 VNNI and AVX2) a model's Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0 matrices
+are then interleaved by 16 rows (`interleave_rows16`, `rows16=True`: the same bytes, lane l of the kernel's vectors row
 16g + l), which one kernel reads at every M; `rows_of` gives rows back to everything else (lookups,
 dequantisation, row and column operations).
 KB = ceil(K / 32); `quantize` (the 32-weight formats) zero-pads K to a multiple of 32. The k-quants take the

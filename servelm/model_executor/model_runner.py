@@ -124,7 +124,7 @@ class ModelRunner:
         self._load_weights(source)
         self.model.eval()
         if self.device.type == "cpu":  # the quantised matrices in one huge-page buffer, in execution order
-            if quant.rows16_default():  # interleaved by 16 rows for the AVX-512 VNNI kernel (quant.interleave_rows16)
+            if quant.rows16_default():  # interleaved by 16 rows for the int8 paths' kernel (quant.interleave_rows16)
                 self.rows16 = quant.interleave_in_place(
                     [qw for m in self.model.modules() for qw in _quant_weights(m, lookup=False)]) > 0
             quant.pack_weights([qw for m in self.model.modules() for qw in _quant_weights(m)])

@@ -553,14 +553,17 @@ def test_lookup_formats_on_avx2_take_the_int8_micro_kernel_and_the_fp32_tiles():
         assert quant.many_rows_scheme(fmt, "avx512_vnni_i8") == "int8"
 
 
-@pytest.mark.skipif("avx512_vnni_i8" not in INT8_PATHS, reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize(("offset", "split"), [(0, False), (8, False), (32, True)])
-@pytest.mark.parametrize("op", ["prep_panel", "prep_quad"])
-def test_rounding_of_x_in_avx512_gives_the_scalar_bits(offset, split, op):
+@pytest.mark.parametrize("op", ["prep_panel", "prep_quad", "prep_quad_avx2"])
+def test_rounding_of_x_in_simd_gives_the_scalar_bits(offset, split, op):
     """The AVX-512 roundings of x, the panel GEMM's (prep_row_panel_avx512) and the decode kernel's
-    (prep_row_i8_avx512), against the portable ones they replace: the same int8 codes, scales, sums, lane
-    scales and corrections, bit for bit, over blocks of every scale, zeros, ties, subnormals (where 127 / amax
-    is inf and a zero x is nan), the largest floats, infs and nans, and a row that is no whole quad of blocks."""
+    (prep_row_i8_avx512), and the AVX2 one of the decode kernel's (prep_row_i8_avx2), against the portable ones
+    they replace: the same int8 codes, scales, sums, lane scales and corrections, bit for bit, over blocks of
+    every scale, zeros, ties, subnormals (where 127 / amax is inf and a zero x is nan), the largest floats, infs
+    and nans, and a row that is no whole quad of blocks."""
+    path = "avx2_i8" if op == "prep_quad_avx2" else "avx512_vnni_i8"
+    if path not in INT8_PATHS:
+        pytest.skip(f"needs the {path} path")
     assert build.load_quant_ops()
     ops = torch.ops.servelm_quant
     g = torch.Generator().manual_seed(11)
@@ -573,8 +576,10 @@ def test_rounding_of_x_in_avx512_gives_the_scalar_bits(offset, split, op):
     x[5], x[6, ::2] = 3e38, -3e38
     x[7, 5], x[8, 70], x[9, 100] = float("inf"), float("nan"), -float("inf")
     x[10, :32] = torch.tensor([float("inf"), -float("inf")] * 16)
-    scalar = getattr(ops, op)(x, offset, split, False)
-    vector = getattr(ops, op)(x, offset, split, True)
+    if op == "prep_panel":
+        scalar, vector = (ops.prep_panel(x, offset, split, v) for v in (False, True))
+    else:  # the form of a kernel path: the portable one on the int16 "avx2" path
+        scalar, vector = (ops.prep_quad(x, offset, split, quant.isa_index(p)) for p in ("avx2", path))
     for a, b in zip(scalar, vector, strict=True):
         assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
                            b.view(torch.int32) if b.dtype == torch.float32 else b)

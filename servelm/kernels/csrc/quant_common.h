@@ -443,9 +443,10 @@ constexpr int kPanelRows = 16;
 void panels_avx512_vnni_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 void panels_avx2_i8(const XP&, const QWeight&, const float*, float*, int64_t, int64_t);
 
-// Weights interleaved by 16 rows ("rows16": rows16_avx512_vnni.cpp; servelm.kernels.quant.interleave_rows16), the
-// AVX-512 VNNI int8 path's layout for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and Q8_0: the same bytes as the row layout,
-// reordered so that lane l of every vector is weight row 16g + l. Per group g of 16 rows and block b:
+// Weights interleaved by 16 rows ("rows16": rows16_avx512_vnni.cpp, rows16_avx2.cpp;
+// servelm.kernels.quant.interleave_rows16), the int8 paths' layout for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K
+// and Q8_0: the same bytes as the row layout, reordered so that lane l of every vector is weight row 16g + l (on
+// AVX2 a 64-byte chunk is two 8-row halves). Per group g of 16 rows and block b:
 //   qs: nibble formats [G][KB][4 chunks][16 rows][4 bytes] (chunk j: a row's bytes 4j..4j+3 of the q4 layout, so
 //       elements 4j..4j+3 in the low nibbles, 16+4j..16+4j+3 in the high ones); Q8_0 [G][KB][16 pairs][16][2]
 //       (pair j: elements 2j, 2j+1);
