@@ -2,8 +2,9 @@
 // path's kernel at every M for Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (int8 x, vpmaddubsw + vpmaddwd) and
 // Q8_0 (int16 x, vpmaddwd), on the same bytes as rows16_avx512_vnni.cpp.
 //
-// A group's 64-byte chunk is two 8-row halves (rows 16g .. 16g + 7 in its first 32 bytes); a tile walks the
-// group's blocks once per half, so 8 lanes a vector and one fp32 accumulator per (half, row of x). vpmaddubsw
+// A group's 64-byte chunk is two 8-row halves (rows 16g .. 16g + 7 in its first 32 bytes), 8 lanes a vector and
+// one fp32 accumulator per (half, row of x); a tile of few rows of x walks the group's blocks once for both halves,
+// one of more rows once per half (tile_h). vpmaddubsw
 // (codes unsigned, x's int8 codes signed) gives the pair sums in int16, which are summed in int16 as long as no
 // sum can pass 32,767 (kFlush: 8 pair sums of 4-bit codes, 4 of 5-bit, 2 of Q6_K's 6-bit; |x| <= 127), then
 // vpmaddwd by ones into int32: llama.cpp's AVX2 scheme, one vpmaddwd per 8 (4, 2) vpmaddubsw instead of one each.
