@@ -151,14 +151,14 @@ class TPWorkers:
         """(rank, exit code) of the worker that died, waiting up to `grace_s` for one to end."""
         deadline = time.monotonic() + grace_s
         while True:
-            ended: dict[int, int] = {}
-            for rank, proc in self.procs.items():
-                if (code := proc.exitcode) is not None:
-                    ended[rank] = code
+            # One read of each exit code (reading one reaps a zombie): a worker that became one between two
+            # reads had been in neither `ended` nor `running`, and its death went unnamed
+            codes = {rank: proc.exitcode for rank, proc in self.procs.items()}
+            ended = {rank: code for rank, code in codes.items() if code is not None}
             culprits = sorted(rank for rank, code in ended.items() if code != PEER_LOST_EXIT_CODE)
             if culprits:
                 return culprits[0], ended[culprits[0]]
-            running = {proc.sentinel: proc for proc in self.procs.values() if proc.exitcode is None}
+            running = {self.procs[rank].sentinel: self.procs[rank] for rank, code in codes.items() if code is None}
             left = deadline - time.monotonic()
             if not running or left <= 0:
                 if not ended:
