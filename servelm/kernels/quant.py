@@ -37,7 +37,8 @@ Dequantised values are exactly gguf's (`d * q` for q8_0, `d * (q - 8)` for q4_0,
 built on first use, see `servelm.kernels.build`) or, where it cannot be built, the torch path: dequantise,
 then matmul. The kernel multiplies the weights' integer codes with x rounded per block of 32 to integer codes:
 int8 on amax / 127 with AVX-512 VNNI or AVX2 (llama.cpp's Q8_0/Q8_1 activations; the minimum term takes the
-rounded block sums; the k-quants on AVX2 per 256 with power-of-two sub-scales, `activation_block`), else int16
+rounded block sums; the k-quants left in the row layout on AVX2 per 256 with power-of-two sub-scales,
+`activation_block`), else int16
 on a power-of-two scale (a relative error of ~2^-15 of the block's largest |x|;
 see csrc/quant_common.h), exact int32 block sums, then fp32 scaling and accumulation.
 """
