@@ -335,13 +335,40 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) inline bool round_
   return true;
 }
 
+// Block b of a row of x rounded by a vector form (codes k 0..15 in q0, k 16..31 in q1, its scale and sum of
+// codes), written as prep_block_i8 writes it: in the quad layout, its scale, sum, lane scales and corrections.
+// SSE4.1, so that both the AVX-512 and the AVX2 form inline it.
+__attribute__((target("sse4.1"))) inline void put_block_i8(int64_t b, __m128i q0, __m128i q1, float scale,
+                                                           int32_t isum, int offset, bool split, int8_t* q,
+                                                           float* s, float* xsum, float* slane, int32_t* corr) {
+  s[b] = scale;
+  if (xsum) xsum[b] = scale * static_cast<float>(isum);
+  const int64_t t = b / 4, e = b % 4;
+  int8_t* pq = q + b / 4 * 4 * kBlock + b % 4 * 16;  // put_quad's places
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(pq), q0);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(pq + 64), q1);
+  _mm_storeu_ps(slane + t * 16 + e * 4, _mm_set1_ps(scale));
+  if (corr) {  // each lane's sum of 4 codes: u8 ones times the s8 codes, pairs, then pairs of pairs
+    const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1), neg = _mm_set1_epi32(-offset);
+    const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q0), ones16);
+    const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q1), ones16);
+    int32_t* c = corr + t * 32 + e * 4;
+    if (split) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_mullo_epi32(neg, hi));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, _mm_add_epi32(lo, hi)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_setzero_si128());
+    }
+  }
+}
+
 // prep_row_i8 in AVX-512 (the AVX-512 VNNI decode kernel's x): the same codes, scales, sums and corrections
 // (the prep_quad op holds the two to the same bits in the tests), sharing round_block_avx512 with the panel's.
 // On the default model's decode it did not move the step's time measurably (docs/measurements/quant-kernels.md).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_i8_avx512(
     const float* x, int64_t KB, int64_t KBq, int offset, bool split, int8_t* q, float* s, float* xsum,
     float* slane, int32_t* corr) {
-  const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1), neg = _mm_set1_epi32(-offset);
   for (int64_t b = 0; b < KBq; ++b) {
     __m128i q0, q1;
     float scale;
@@ -350,25 +377,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void prep_row_i8_a
       prep_block_i8(x, b, KB, offset, split, q, s, xsum, slane, corr);
       continue;
     }
-    s[b] = scale;
-    if (xsum) xsum[b] = scale * static_cast<float>(isum);
-    const int64_t t = b / 4, e = b % 4;
-    int8_t* pq = q + b / 4 * 4 * kBlock + b % 4 * 16;  // put_quad's places
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pq), q0);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pq + 64), q1);
-    _mm_storeu_ps(slane + t * 16 + e * 4, _mm_set1_ps(scale));
-    if (corr) {  // each lane's sum of 4 codes: u8 ones times the s8 codes, pairs, then pairs of pairs
-      const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q0), ones16);
-      const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q1), ones16);
-      int32_t* c = corr + t * 32 + e * 4;
-      if (split) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, lo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_mullo_epi32(neg, hi));
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, _mm_add_epi32(lo, hi)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_setzero_si128());
-      }
-    }
+    put_block_i8(b, q0, q1, scale, isum, offset, split, q, s, xsum, slane, corr);
   }
 }
 #endif
@@ -434,7 +443,6 @@ __attribute__((target("avx2,fma"))) inline bool round_block_avx2(const float* xb
 __attribute__((target("avx2,fma"))) void prep_row_i8_avx2(const float* x, int64_t KB, int64_t KBq, int offset,
                                                            bool split, int8_t* q, float* s, float* xsum,
                                                            float* slane, int32_t* corr) {
-  const __m128i ones8 = _mm_set1_epi8(1), ones16 = _mm_set1_epi16(1), neg = _mm_set1_epi32(-offset);
   for (int64_t b = 0; b < KBq; ++b) {
     __m128i q0, q1;
     float scale;
@@ -443,25 +451,7 @@ __attribute__((target("avx2,fma"))) void prep_row_i8_avx2(const float* x, int64_
       prep_block_i8(x, b, KB, offset, split, q, s, xsum, slane, corr);
       continue;
     }
-    s[b] = scale;
-    if (xsum) xsum[b] = scale * static_cast<float>(isum);
-    const int64_t t = b / 4, e = b % 4;
-    int8_t* pq = q + b / 4 * 4 * kBlock + b % 4 * 16;  // put_quad's places
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pq), q0);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(pq + 64), q1);
-    _mm_storeu_ps(slane + t * 16 + e * 4, _mm_set1_ps(scale));
-    if (corr) {  // each lane's sum of 4 codes: u8 ones times the s8 codes, pairs, then pairs of pairs
-      const __m128i lo = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q0), ones16);
-      const __m128i hi = _mm_madd_epi16(_mm_maddubs_epi16(ones8, q1), ones16);
-      int32_t* c = corr + t * 32 + e * 4;
-      if (split) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, lo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_mullo_epi32(neg, hi));
-      } else {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c), _mm_mullo_epi32(neg, _mm_add_epi32(lo, hi)));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + 16), _mm_setzero_si128());
-      }
-    }
+    put_block_i8(b, q0, q1, scale, isum, offset, split, q, s, xsum, slane, corr);
   }
 }
 #endif
