@@ -479,6 +479,62 @@ struct R16X {
   const int32_t* init;
   int64_t M;
 };
+// What a 16-row kernel's tile reads (rows16_avx512_vnni.cpp, rows16_avx2.cpp): group g's fields and rows
+// i0 .. i0 + R of x, bound by name in the kernels (`auto& [qs, dg, ...] = tile`).
+template <Fmt F, int R>
+struct R16Tile {
+  using T = Traits<F>;
+  static constexpr bool kq = T::kquant, split = T::split, plane = T::planes == 1, q8 = F == Q8_0;
+  static constexpr int64_t qb = q8 ? 512 : 256;    // code bytes per (group, block)
+  static constexpr int64_t hbb = split ? 128 : 64;  // high-bit bytes per (group, block)
+  static constexpr int64_t kAhead = 4096;           // bytes of codes prefetched ahead (the thread's one stream)
+  const uint8_t* qs;
+  const uint16_t* dg;
+  const uint16_t* mg;   // fp16 minimums (per block, or the k-quants' dmin per super-block)
+  const uint8_t* scg;   // the k-quants' scale bytes
+  const uint8_t* hbg;   // high bits (Q6_K's crumbs, the q5s' fifth bits)
+  const int8_t* xq[R];  // x's codes (the nibble formats), Q8_0's int16 ones, scales, block sums, offset starts
+  const int16_t* xw[R];
+  const float* xs[R];
+  const float* xm[R];
+  const int32_t* xi[R];
+
+  R16Tile(const R16X& x, const R16W& w, int64_t g, int64_t i0) {
+    const int64_t KB = w.KB, ns = kq ? KB / kSuper : KB;
+    qs = w.qs + g * KB * qb;
+    dg = w.d + g * ns * 16;
+    mg = T::has_min ? w.m + g * ns * 16 : nullptr;
+    scg = kq ? w.sc + g * KB * 32 : nullptr;
+    hbg = (split || plane) ? w.hb + g * KB * hbb : nullptr;
+    for (int r = 0; r < R; ++r) {
+      xq[r] = q8 ? nullptr : x.q8 + (i0 + r) * x.qstride;
+      xw[r] = q8 ? x.q16 + (i0 + r) * x.qstride : nullptr;
+      xs[r] = x.s + (i0 + r) * x.ss;
+      xm[r] = x.xsum ? x.xsum + (i0 + r) * x.ss : nullptr;
+      xi[r] = T::offset != 0 ? x.init + (i0 + r) * KB * 2 : nullptr;
+    }
+  }
+
+  // Block b's fields kAhead bytes of codes ahead: the same distance in blocks for every field (prefetches past
+  // an array's end do not fault).
+  void prefetch(int64_t b) const {
+    constexpr int64_t ahead = kAhead / qb;
+    const uint8_t* p = qs + b * qb + kAhead;
+    for (int64_t c = 0; c < qb; c += 64) __builtin_prefetch(p + c, 0, 3);
+    if constexpr (kq) {
+      __builtin_prefetch(scg + (b + ahead) * 32, 0, 3);
+      if ((b & (kSuper - 1)) == 0) {
+        __builtin_prefetch(dg + (b / kSuper + 2) * 16, 0, 3);
+        if (mg) __builtin_prefetch(mg + (b / kSuper + 2) * 16, 0, 3);
+      }
+    } else {
+      __builtin_prefetch(dg + (b + ahead) * 16, 0, 3);
+      if (mg) __builtin_prefetch(mg + (b + ahead) * 16, 0, 3);
+    }
+    if constexpr (split || plane) __builtin_prefetch(hbg + (b + ahead) * hbb, 0, 3);
+    if constexpr (split) __builtin_prefetch(hbg + (b + ahead) * hbb + 64, 0, 3);
+  }
+};
 inline bool rows16_format(Fmt f) {
   return f == Q4_0 || f == Q4_1 || f == Q5_0 || f == Q5_1 || f == Q4_K || f == Q5_K || f == Q6_K || f == Q8_0;
 }

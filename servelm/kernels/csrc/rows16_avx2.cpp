@@ -29,16 +29,10 @@ template <Fmt F>  // rows of x per tile: a tile's accumulators and the decoded c
 constexpr int kTile = F == Q8_0 ? 6 : Traits<F>::split ? 3 : 4;
 template <Fmt F>  // up to this many rows of x, a tile takes both halves of a group in one pass over its blocks
 constexpr int kBoth = Traits<F>::split ? 2 : 3;
-constexpr int64_t kAhead = 4096;  // bytes of codes prefetched ahead (the thread's one stream of groups)
-
-template <Fmt F>
-constexpr int64_t kQBytes = F == Q8_0 ? 512 : 256;  // code bytes per (group, block)
 
 // vpmaddubsw results (each up to 2 * code max * 127) summed in int16 before one vpmaddwd
 template <Fmt F>
 constexpr int kFlush = F == Q6_K ? 2 : (Traits<F>::planes == 1 ? 4 : 8);
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 inline __m256i bcast4(const void* p) {
   int32_t v;
@@ -70,27 +64,11 @@ void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const 
   static_assert(!split || T::crumbs, "split scales: Q6_K's crumbs");
   constexpr bool minimum = T::has_min && !kq;  // per-block fp16 minimum
   constexpr bool kmin = T::has_min && kq;      // dmin * 6-bit minimum
-  constexpr int64_t qb = kQBytes<F>;
   constexpr int flush = kFlush<F>;
-  const int64_t KB = w.KB, N = w.G * 16, ns = kq ? KB / kSuper : KB;
-  const uint8_t* qs = w.qs + g * KB * qb;
-  const uint16_t* dg = w.d + g * ns * 16;
-  const uint16_t* mg = (minimum || kmin) ? w.m + g * ns * 16 : nullptr;
-  const uint8_t* scg = kq ? w.sc + g * KB * 32 : nullptr;
-  constexpr int64_t hbb = split ? 128 : 64;  // high-bit bytes per (group, block)
-  const uint8_t* hbg = (split || plane) ? w.hb + g * KB * hbb : nullptr;
-  const int8_t* xq[R];
-  const int16_t* xw[R];
-  const float* xs[R];
-  const float* xm[R];
-  const int32_t* xi[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = q8 ? nullptr : x.q8 + (i0 + r) * x.qstride;
-    xw[r] = q8 ? x.q16 + (i0 + r) * x.qstride : nullptr;
-    xs[r] = x.s + (i0 + r) * x.ss;
-    xm[r] = x.xsum ? x.xsum + (i0 + r) * x.ss : nullptr;
-    xi[r] = offset ? x.init + (i0 + r) * KB * 2 : nullptr;
-  }
+  const R16Tile<F, R> at(x, w, g, i0);
+  const auto& [qs, dg, mg, scg, hbg, xq, xw, xs, xm, xi] = at;
+  constexpr int64_t qb = R16Tile<F, R>::qb, hbb = R16Tile<F, R>::hbb;
+  const int64_t KB = w.KB, N = w.G * 16;
   const __m256i low4 = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   for (int h0 = 0; h0 < 2; h0 += H) {  // half h: rows 16g + 8h .. 16g + 8h + 7, bytes 32h .. 32h + 31 of each 64
     __m256 tot[H][R];
@@ -100,22 +78,7 @@ void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const 
     for (int u = 0; u < H; ++u) dsup[u] = msup[u] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* p = qs + b * qb;
-      if (pf && h0 == 0) {  // a second pass finds the group's lines in cache
-        constexpr int64_t ahead = kAhead / qb;
-        for (int64_t c = 0; c < qb; c += 64) prefetch(p + kAhead + c);
-        if constexpr (kq) {
-          prefetch(scg + (b + ahead) * 32);
-          if ((b & (kSuper - 1)) == 0) {
-            prefetch(dg + (b / kSuper + 2) * 16);
-            if (mg) prefetch(mg + (b / kSuper + 2) * 16);
-          }
-        } else {
-          prefetch(dg + (b + ahead) * 16);
-          if (mg) prefetch(mg + (b + ahead) * 16);
-        }
-        if constexpr (split || plane) prefetch(hbg + (b + ahead) * hbb);
-        if constexpr (split) prefetch(hbg + (b + ahead) * hbb + 64);
-      }
+      if (pf && h0 == 0) at.prefetch(b);  // a second pass finds the group's lines in cache
       __m256i a0[H][R], a1[H][R];
       for (int u = 0; u < H; ++u)
         for (int r = 0; r < R; ++r) {
@@ -196,9 +159,11 @@ void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const 
           }
         }
         if constexpr (split) {  // an int8 scale per half block: d * scale, exact
-          const auto scale = [&](int part) {
-            return _mm256_mul_ps(dsup[u], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-                                              reinterpret_cast<const __m128i*>(scg + b * 32 + 16 * part + 8 * h)))));
+          const uint8_t* sp = scg + b * 32 + 8 * h;
+          const __m256 ds = dsup[u];
+          const auto scale = [sp, ds](int part) {
+            return _mm256_mul_ps(ds, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sp + 16 * part)))));
           };
           const __m256 d0 = scale(0), d1 = scale(1);
           for (int r = 0; r < R; ++r) {

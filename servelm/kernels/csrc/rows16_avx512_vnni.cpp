@@ -30,12 +30,6 @@ namespace {
 
 template <Fmt F>
 constexpr int kTile = 6;  // rows of x per tile: 3 accumulators a row, 18 of the 32 registers
-constexpr int64_t kAhead = 4096;     // bytes of codes prefetched ahead (the thread's one stream of groups)
-
-template <Fmt F>
-constexpr int64_t kQBytes = F == Q8_0 ? 512 : 256;  // code bytes per (group, block)
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 inline __m512i bcast4(const void* p) {
   int32_t v;
@@ -53,48 +47,17 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
   static_assert(!split || T::crumbs, "split scales: Q6_K's crumbs");
   constexpr bool minimum = T::has_min && !kq;             // per-block fp16 minimum
   constexpr bool kmin = T::has_min && kq;                 // dmin * 6-bit minimum
-  constexpr int64_t qb = kQBytes<F>;
-  const int64_t KB = w.KB, N = w.G * 16, ns = kq ? KB / kSuper : KB;
-  const uint8_t* qs = w.qs + g * KB * qb;
-  const uint16_t* dg = w.d + g * ns * 16;
-  const uint16_t* mg = (minimum || kmin) ? w.m + g * ns * 16 : nullptr;
-  const uint8_t* scg = kq ? w.sc + g * KB * 32 : nullptr;
-  constexpr int64_t hbb = split ? 128 : 64;  // high-bit bytes per (group, block)
-  const uint8_t* hbg = (split || plane) ? w.hb + g * KB * hbb : nullptr;
-  const int8_t* xq[R];
-  const int16_t* xw[R];
-  const float* xs[R];
-  const float* xm[R];
-  const int32_t* xi[R];
+  const R16Tile<F, R> at(x, w, g, i0);
+  const auto& [qs, dg, mg, scg, hbg, xq, xw, xs, xm, xi] = at;
+  constexpr int64_t qb = R16Tile<F, R>::qb, hbb = R16Tile<F, R>::hbb;
+  const int64_t KB = w.KB, N = w.G * 16;
   __m512 tot[R];
-  for (int r = 0; r < R; ++r) {
-    xq[r] = q8 ? nullptr : x.q8 + (i0 + r) * x.qstride;
-    xw[r] = q8 ? x.q16 + (i0 + r) * x.qstride : nullptr;
-    xs[r] = x.s + (i0 + r) * x.ss;
-    xm[r] = x.xsum ? x.xsum + (i0 + r) * x.ss : nullptr;
-    xi[r] = offset ? x.init + (i0 + r) * KB * 2 : nullptr;
-    tot[r] = _mm512_setzero_ps();
-  }
+  for (int r = 0; r < R; ++r) tot[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(0x30);
   __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* p = qs + b * qb;
-    if (pf) {  // the same distance in blocks for every field (prefetches past an array's end do not fault)
-      constexpr int64_t ahead = kAhead / qb;
-      for (int64_t c = 0; c < qb; c += 64) prefetch(p + kAhead + c);
-      if constexpr (kq) {
-        prefetch(scg + (b + ahead) * 32);
-        if ((b & (kSuper - 1)) == 0) {
-          prefetch(dg + (b / kSuper + 2) * 16);
-          if (mg) prefetch(mg + (b / kSuper + 2) * 16);
-        }
-      } else {
-        prefetch(dg + (b + ahead) * 16);
-        if (mg) prefetch(mg + (b + ahead) * 16);
-      }
-      if constexpr (split || plane) prefetch(hbg + (b + ahead) * hbb);
-      if constexpr (split) prefetch(hbg + (b + ahead) * hbb + 64);
-    }
+    if (pf) at.prefetch(b);
     __m512i a0[R], a1[R];
     for (int r = 0; r < R; ++r) {
       a0[r] = offset ? _mm512_set1_epi32(xi[r][2 * b]) : _mm512_setzero_si512();
