@@ -202,6 +202,38 @@ def test_linear_is_batch_invariant(path, fmt):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("path", KERNELS, indirect=True)
+@pytest.mark.parametrize("fmt", ["q4_k", "q4_0", "q8_0"])
+def test_weight_rows_shared_by_work_stealing_give_the_one_thread_bits(path, fmt):
+    """The threads share a linear's weight rows in chunks taken from an atomic counter (csrc over_weight_rows: 8
+    chunks a thread, 2 for one row of x), the last one short: with two threads every output is written, and is
+    bitwise the one-thread output, in the row layout and the 16-row one, at one row of x and at many."""
+    g = torch.Generator().manual_seed(8)
+    # 38 units of 16 weight rows (chunks of 3, 10 at M = 1; the last one short), with a tail of 5 rows in the row
+    # layout; 37 units in the 16-row one (whole groups only)
+    k = 512
+    layouts = [_rows16_weight(fmt, 16 * 37 + 5, k, seed=5)]
+    if path in ROWS16_PATHS and fmt in ROWS16:
+        rows16 = _rows16_weight(fmt, 16 * 37, k, seed=6)
+        layouts.append((rows16, quant.interleave_rows16(rows16)))
+    threads = torch.get_num_threads()
+    try:
+        for w in layouts:
+            qw, w = w if isinstance(w, tuple) else (w, w)
+            bias = torch.randn(qw.shape[0], generator=g)
+            for m in (1, 2, 5, 40):
+                x = torch.randn(m, k, generator=g)
+                torch.set_num_threads(1)
+                one = quant.linear(x, w, bias, invariant=True)
+                torch.set_num_threads(2)
+                two = quant.linear(x, w, bias, invariant=True)
+                assert torch.equal(two, one), (m, w.qs.dim())
+                if m < quant.tiles_min_rows(fmt, path) or w is not qw:  # the micro-kernel's rounding bound
+                    _check_close(two, x, qw, bias, rows16=w is not qw)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif("avx512_vnni" not in KERNELS, reason="needs AVX-512 VNNI")
 @pytest.mark.parametrize("fmt", quant.QUANTIZE_FORMATS)
 def test_vnni_and_plain_avx512_give_the_same_bits(fmt):
