@@ -20,6 +20,8 @@
 #include <tuple>
 #include <vector>
 
+#include "parallel.h"
+
 namespace servelm_quant {
 at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const std::optional<at::Tensor>& m, const std::optional<at::Tensor>& qh,
@@ -555,24 +557,25 @@ void prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   const int64_t U = static_cast<int64_t>(units.size()) / 3;
   const PrefillWork w{q.data_ptr<float>(), kv, ip, rp, static_cast<float>(scale), H, Hkv, D, qb, rows,
                       units.data(), out.data_ptr<float>(), causal};
-  // Threads take runs of units of equal cost (a causal prompt's later queries see more keys).
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), U));
+  // Runs of units of equal cost (a causal prompt's later queries see more keys), 8 a thread, which the threads
+  // take by work stealing (parallel.h; a unit's output does not depend on the run or thread that computes it).
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(8 * at::get_num_threads(), U));
   const double total = cost.back();
-  const auto run = [&](int64_t t0, int64_t t1) {
+  const auto first = [&](int64_t part) {
+    return part == parts ? U
+                         : static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end() - 1, total * part / parts) -
+                                                cost.begin());
+  };
+  const auto run = [&](int64_t part) {
     thread_local std::vector<float> buf;
     const int64_t need = prefill_buf_floats(D, rows);
     if (static_cast<int64_t>(buf.size()) < need) buf.resize(need);
-    for (int64_t t = t0; t < t1; ++t) {
-      const auto first = [&](int64_t part) {
-        return static_cast<int64_t>(std::lower_bound(cost.begin(), cost.end() - 1, total * part / nt) - cost.begin());
-      };
-      k.prefill_units(w, first(t), t + 1 == nt ? U : first(t + 1), buf.data());
-    }
+    k.prefill_units(w, first(part), first(part + 1), buf.data());
   };
   if (total * D < kGrainElems * 4) {  // ~2 * total * D multiply-adds: too few to share
-    run(0, nt);
+    for (int64_t part = 0; part < parts; ++part) run(part);
   } else {
-    at::parallel_for(0, nt, 1, run);
+    servelm_parallel::steal_chunks(parts, run);
   }
 }
 

@@ -5,13 +5,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <immintrin.h>
 #include <limits>
 #include <tuple>
 #include <vector>
 
+#include "parallel.h"
 #include "quant_common.h"
 
 namespace servelm_quant {
@@ -54,28 +54,19 @@ inline bool q8_panel(int64_t isa, Fmt f, int64_t KB) {
 inline bool super_x(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_kquant(f) && !fmt_lut(f); }
 
 // fn(n0, n1) over the weight rows [0, N) in units of 16 rows (the micro-kernels' work, for M rows of x), shared
-// among the threads by work stealing, as ggml's mul_mat shares its chunks: each thread takes the next chunk from
-// an atomic counter until none is left, so a thread slowed by another process on its core (or a hyperthread
-// sibling's work) leaves its share to the others instead of making them wait at the region's end. 8 chunks a
-// thread; 2 for M = 1, whose weights stream from memory (a chunk's start breaks the stream: 8 chunks cost the
-// 1B shape's decode pass ~9%, 2 nothing measurable). One output's arithmetic does not depend on the chunks.
-// Measured (8 layers of the 1B shape, Q4_K, two threads, rounds interleaved in one process): a quiet machine
-// 0.99-1.00x the time of one static half a thread at M = 5 and 64; with one thread of the
-// machine at 100% elsewhere, M = 64 0.85x; in a busy minute, M = 5 0.91x and M = 64 0.93x.
+// among the threads by work stealing (parallel.h): 8 chunks a thread; 2 for M = 1, whose weights stream from
+// memory (a chunk's start breaks the stream: 8 chunks cost the 1B shape's decode pass ~9%, 2 nothing measurable).
+// Measured (8 layers of the 1B shape, Q4_K, two threads, rounds interleaved in one process, against one static
+// half a thread): a quiet machine 0.99-1.00x the time at M = 5 and 64; with one thread of the machine at 100%
+// elsewhere, M = 64 0.85x; in a busy minute, M = 5 0.91x and M = 64 0.93x.
 template <typename Fn>
 void over_weight_rows(int64_t N, int64_t M, const Fn& fn) {
   constexpr int64_t kRows = 16;
   const int64_t units = (N + kRows - 1) / kRows, nt = at::get_num_threads();
-  const int64_t chunks = nt * (M > 1 ? 8 : 2);
-  if (nt < 2 || units < chunks || at::in_parallel_region()) {
-    at::parallel_for(0, units, 1, [&](int64_t t0, int64_t t1) { fn(t0 * kRows, std::min(N, t1 * kRows)); });
-    return;
-  }
-  const int64_t chunk = (units + chunks - 1) / chunks;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nt, 1, [&](int64_t, int64_t) {
-    for (int64_t c; (c = next.fetch_add(chunk, std::memory_order_relaxed)) < units;)
-      fn(c * kRows, std::min(N, (c + chunk) * kRows));
+  if (units == 0) return;
+  const int64_t chunks = std::min(units, nt * (M > 1 ? 8 : 2)), chunk = (units + chunks - 1) / chunks;
+  servelm_parallel::steal_chunks((units + chunk - 1) / chunk, [&](int64_t c) {
+    fn(c * chunk * kRows, std::min(N, (c + 1) * chunk * kRows));
   });
 }
 
