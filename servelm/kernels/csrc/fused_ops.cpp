@@ -492,13 +492,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const Kernels& k = kernels();
   // per unit ~2 * keys * g * D multiply-adds per head (keys: its share of the step's)
   const int64_t per_unit = std::max<int64_t>(1, 2 * (keys / total) * per * g * D);
-  at::parallel_for(0, total, grain(per_unit), [&](int64_t u0, int64_t u1) {
+  const auto attend = [&](int64_t u0, int64_t u1) {
     thread_local std::vector<float> scratch, kbuf;
     const int64_t need = per * (max_rows * g + 1) * kAttnChunk;
     if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
     if (static_cast<int64_t>(kbuf.size()) < kAttnChunk * per * D) kbuf.resize(kAttnChunk * per * D);
     k.attend_units(w, u0, u1, scratch.data(), kbuf.data());
-  });
+  };
+  // as many threads as the grain allows, sharing runs of units (8 a thread) by work stealing (parallel.h; a unit
+  // writes its own partial results, whichever thread computes it)
+  const int64_t gu = grain(per_unit), threads = std::min<int64_t>(at::get_num_threads(), (total + gu - 1) / gu);
+  if (threads < 2) {
+    attend(0, total);
+  } else {
+    const int64_t run = (total + 8 * threads - 1) / (8 * threads);
+    servelm_parallel::steal_chunks((total + run - 1) / run,
+                                   [&](int64_t c) { attend(c * run, std::min(total, (c + 1) * run)); });
+  }
   at::parallel_for(0, items, grain(item_first[items] * g * D / items),
                    [&](int64_t i0, int64_t i1) { k.merge_items(w, i0, i1); });
   return out;
