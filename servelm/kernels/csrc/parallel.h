@@ -1,10 +1,10 @@
 // Work stealing over the threads of at::parallel_for, shared by the quantised matmuls (quant_ops.cpp) and the
-// fused prefill and decode attention (fused_ops.cpp). A static split (one fixed share a thread) makes every thread wait at the
-// region's end for the slowest one: on a shared 2-vCPU VM the two threads lose their cores in turn (to other
-// processes, to the hypervisor's steal time the thread governor cannot see, or to a hyperthread sibling).
-// Here each thread takes the next chunk from an atomic counter until none is left, as ggml's mul_mat shares
-// its chunks; a chunk's work must not depend on which thread runs it (every caller's outputs are bitwise those
-// of one thread).
+// fused prefill and decode attention (fused_ops.cpp). A static split (one fixed share a thread) makes every
+// thread wait at the region's end for the slowest one: on a shared 2-vCPU VM the two threads lose their cores in
+// turn (to other processes, to the hypervisor's steal time the thread governor cannot see, or to a hyperthread
+// sibling). Here each thread takes the next chunk from an atomic counter until none is left, as ggml's mul_mat
+// shares its chunks; a chunk's work must not depend on which thread runs it (every caller's outputs are bitwise
+// those of one thread).
 #pragma once
 
 #include <ATen/Parallel.h>
