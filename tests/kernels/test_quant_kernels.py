@@ -205,9 +205,10 @@ def test_linear_is_batch_invariant(path, fmt):
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
 @pytest.mark.parametrize("fmt", ["q4_k", "q4_0", "q8_0"])
 def test_weight_rows_shared_by_work_stealing_give_the_one_thread_bits(path, fmt):
-    """The threads share a linear's weight rows in chunks taken from an atomic counter (csrc over_weight_rows: 8
+    """The threads share a linear's weight rows in chunks taken from an atomic counter (csrc share_rows: 8
     chunks a thread, 2 for one row of x), the last one short: with two threads every output is written, and is
-    bitwise the one-thread output, in the row layout and the 16-row one, at one row of x and at many."""
+    bitwise the one-thread output, in the row layout and the 16-row one, at one row of x and at many, on the
+    micro-kernels and on the many-rows path (panel GEMM or fp32 tiles)."""
     g = torch.Generator().manual_seed(8)
     # 38 units of 16 weight rows (chunks of 3, 10 at M = 1; the last one short), with a tail of 5 rows in the row
     # layout; 37 units in the 16-row one (whole groups only)
@@ -223,11 +224,13 @@ def test_weight_rows_shared_by_work_stealing_give_the_one_thread_bits(path, fmt)
             bias = torch.randn(qw.shape[0], generator=g)
             for m in (1, 2, 5, 40):
                 x = torch.randn(m, k, generator=g)
-                torch.set_num_threads(1)
-                one = quant.linear(x, w, bias, invariant=True)
-                torch.set_num_threads(2)
+                for invariant in (True, False):  # False, 40 rows: the many-rows path (a panel GEMM, fp32 tiles)
+                    torch.set_num_threads(1)
+                    one = quant.linear(x, w, bias, invariant=invariant)
+                    torch.set_num_threads(2)
+                    two = quant.linear(x, w, bias, invariant=invariant)
+                    assert torch.equal(two, one), (m, w.qs.dim(), invariant)
                 two = quant.linear(x, w, bias, invariant=True)
-                assert torch.equal(two, one), (m, w.qs.dim())
                 if m < quant.tiles_min_rows(fmt, path) or w is not qw:  # the micro-kernel's rounding bound
                     _check_close(two, x, qw, bias, rows16=w is not qw)
     finally:

@@ -53,21 +53,24 @@ inline bool q8_panel(int64_t isa, Fmt f, int64_t KB) {
 // (servelm.kernels.quant.activation_block says the same).
 inline bool super_x(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_kquant(f) && !fmt_lut(f); }
 
-// fn(n0, n1) over the weight rows [0, N) in units of 16 rows (the micro-kernels' work, for M rows of x), shared
-// among the threads by work stealing (parallel.h): 8 chunks a thread; 2 for M = 1, whose weights stream from
+// fn(n0, n1) over the weight rows [0, N) in units of `unit` rows (n0 a multiple of it), shared among the threads by
+// work stealing (parallel.h), `per_thread` chunks a thread. over_weight_rows: units of 16 rows (the micro-kernels'
+// work, for M rows of x), 8 chunks a thread; 2 for M = 1, whose weights stream from
 // memory (a chunk's start breaks the stream: 8 chunks cost the 1B shape's decode pass ~9%, 2 nothing measurable).
 // Measured (8 layers of the 1B shape, Q4_K, two threads, rounds interleaved in one process, against one static
 // half a thread): a quiet machine 0.99-1.00x the time at M = 5 and 64; with one thread of the machine at 100%
 // elsewhere, M = 64 0.85x; in a busy minute, M = 5 0.91x and M = 64 0.93x.
 template <typename Fn>
-void over_weight_rows(int64_t N, int64_t M, const Fn& fn) {
-  constexpr int64_t kRows = 16;
-  const int64_t units = (N + kRows - 1) / kRows, nt = at::get_num_threads();
+void share_rows(int64_t N, int64_t unit, int64_t per_thread, const Fn& fn) {
+  const int64_t units = (N + unit - 1) / unit;
   if (units == 0) return;
-  const int64_t chunks = std::min(units, nt * (M > 1 ? 8 : 2)), chunk = (units + chunks - 1) / chunks;
-  servelm_parallel::steal_chunks((units + chunk - 1) / chunk, [&](int64_t c) {
-    fn(c * chunk * kRows, std::min(N, (c + 1) * chunk * kRows));
-  });
+  const int64_t chunks = std::min(units, at::get_num_threads() * per_thread), chunk = (units + chunks - 1) / chunks;
+  servelm_parallel::steal_chunks((units + chunk - 1) / chunk,
+                                 [&](int64_t c) { fn(c * chunk * unit, std::min(N, (c + 1) * chunk * unit)); });
+}
+template <typename Fn>
+void over_weight_rows(int64_t N, int64_t M, const Fn& fn) {
+  share_rows(N, 16, M > 1 ? 8 : 2, fn);
 }
 
 // Whether `isa` may run on this CPU (best: best_isa()).
@@ -1116,9 +1119,7 @@ at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float*
     const XP xv{reinterpret_cast<const int8_t*>(qp), sp, nullptr, M, G, ss};
     float* yp = y.data_ptr<float>();
     const auto fn = wide ? panels_avx512_vnni_i8 : panels_avx2_i8;
-    at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t t0, int64_t t1) {
-      fn(xv, w, bp, yp, t0 * kPanelRows, std::min(N, t1 * kPanelRows));
-    });
+    share_rows(N, kPanelRows, 8, [&](int64_t n0, int64_t n1) { fn(xv, w, bp, yp, n0, n1); });
     return y;
   }
   if (panel_for(isa, w.fmt)) {  // the int8 scheme's panel GEMM instead of fp32 tiles
@@ -1147,19 +1148,17 @@ at::Tensor linear_tiles_body(const at::Tensor& x, const QWeight& w, const float*
     const XP xv{qp, sp, cp, M, G, ss};
     float* yp = y.data_ptr<float>();
     const auto fn = isa == kAvx2I8 ? panels_avx2_i8 : panels_avx512_vnni_i8;
-    at::parallel_for(0, (N + kPanelRows - 1) / kPanelRows, 1, [&](int64_t t0, int64_t t1) {
-      fn(xv, w, bp, yp, t0 * kPanelRows, std::min(N, t1 * kPanelRows));
-    });
+    share_rows(N, kPanelRows, 8, [&](int64_t n0, int64_t n1) { fn(xv, w, bp, yp, n0, n1); });
     return y;
   }
 #endif
   const int64_t nb = rows_per_tile(N, kp, isa);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + nb - 1) / nb, 1, [&](int64_t t0, int64_t t1) {
+  share_rows(N, nb, 8, [&](int64_t n0, int64_t n1) {
     thread_local std::vector<float> buf;
     if (static_cast<int64_t>(buf.size()) < nb * kp) buf.resize(nb * kp);
-    fn(xp, M, w, bp, yp, t0 * nb, std::min(N, t1 * nb), buf.data(), nb);
+    fn(xp, M, w, bp, yp, n0, n1, buf.data(), nb);
   });
   return y;
 }
