@@ -502,13 +502,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   // as many threads as the grain allows, sharing runs of units (8 a thread) by work stealing (parallel.h; a unit
   // writes its own partial results, whichever thread computes it)
   const int64_t gu = grain(per_unit), threads = std::min<int64_t>(at::get_num_threads(), (total + gu - 1) / gu);
-  if (threads < 2) {
-    attend(0, total);
-  } else {
-    const int64_t run = (total + 8 * threads - 1) / (8 * threads);
-    servelm_parallel::steal_chunks((total + run - 1) / run,
-                                   [&](int64_t c) { attend(c * run, std::min(total, (c + 1) * run)); });
-  }
+  servelm_parallel::steal_range(total, threads < 2 ? 1 : 8 * threads, attend);
   at::parallel_for(0, items, grain(item_first[items] * g * D / items),
                    [&](int64_t i0, int64_t i1) { k.merge_items(w, i0, i1); });
   return out;

@@ -29,4 +29,12 @@ void steal_chunks(int64_t n, const Fn& fn) {
   });
 }
 
+// fn(i0, i1) over [0, n) in about `chunks` runs of consecutive items (at least one), taken by work stealing
+template <typename Fn>
+void steal_range(int64_t n, int64_t chunks, const Fn& fn) {
+  if (n <= 0) return;
+  const int64_t parts = std::clamp<int64_t>(chunks, 1, n), run = (n + parts - 1) / parts;
+  steal_chunks((n + run - 1) / run, [&](int64_t c) { fn(c * run, std::min(n, (c + 1) * run)); });
+}
+
 }  // namespace servelm_parallel

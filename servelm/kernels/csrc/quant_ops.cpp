@@ -62,11 +62,8 @@ inline bool super_x(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_kquant(f)
 // elsewhere, M = 64 0.85x; in a busy minute, M = 5 0.91x and M = 64 0.93x.
 template <typename Fn>
 void share_rows(int64_t N, int64_t unit, int64_t per_thread, const Fn& fn) {
-  const int64_t units = (N + unit - 1) / unit;
-  if (units == 0) return;
-  const int64_t chunks = std::min(units, at::get_num_threads() * per_thread), chunk = (units + chunks - 1) / chunks;
-  servelm_parallel::steal_chunks((units + chunk - 1) / chunk,
-                                 [&](int64_t c) { fn(c * chunk * unit, std::min(N, (c + 1) * chunk * unit)); });
+  servelm_parallel::steal_range((N + unit - 1) / unit, at::get_num_threads() * per_thread,
+                                [&](int64_t u0, int64_t u1) { fn(u0 * unit, std::min(N, u1 * unit)); });
 }
 template <typename Fn>
 void over_weight_rows(int64_t N, int64_t M, const Fn& fn) {
