@@ -25,8 +25,11 @@
 namespace servelm_quant {
 namespace {
 
-template <Fmt F>  // rows of x per tile: a tile's accumulators and the decoded codes fit the 16 ymm registers
-constexpr int kTile = F == Q8_0 ? 6 : Traits<F>::split ? 3 : 4;
+// Rows of x per tile: a tile's accumulators and the decoded codes fit the 16 ymm registers. Q8_0 too: at 6 rows
+// its 12 accumulators, codes and broadcasts spilled (the 1B shape's Q8_0 matrices: M = 64 took 37-42 ms, 31-34 at
+// 4 rows; M = 128 66-79 and 62-68 ms).
+template <Fmt F>
+constexpr int kTile = Traits<F>::split ? 3 : 4;
 template <Fmt F>  // up to this many rows of x, a tile takes both halves of a group in one pass over its blocks
 constexpr int kBoth = Traits<F>::split ? 2 : 3;
 
