@@ -65,9 +65,16 @@ void share_rows(int64_t N, int64_t unit, int64_t per_thread, const Fn& fn) {
   servelm_parallel::steal_range((N + unit - 1) / unit, at::get_num_threads() * per_thread,
                                 [&](int64_t u0, int64_t u1) { fn(u0 * unit, std::min(N, u1 * unit)); });
 }
+// From 2 to 15 rows of x (verify steps, small batches), whose time the weights' bytes still set, chunks of no less than
+// kChunkBlocks blocks of 16 weight rows (64-128 KB), down to 2 a thread: 8 a thread had cut the default model's
+// 576-wide matrices into 16 chunks of 2-3 groups (15-20 KB) a matmul, whose starts each break the stream; verify
+// steps of k = 1, 4, 8 drafts took 3-12% longer (docs/measurements/quant-kernels.md, "Twenty-sixth session").
+// Prompts and larger batches keep 8 a thread.
+constexpr int64_t kChunkBlocks = 256;
 template <typename Fn>
-void over_weight_rows(int64_t N, int64_t M, const Fn& fn) {
-  share_rows(N, 16, M > 1 ? 8 : 2, fn);
+void over_weight_rows(int64_t N, int64_t M, int64_t KB, const Fn& fn) {
+  const int64_t chunks = (N + 15) / 16 * KB / kChunkBlocks / std::max(at::get_num_threads(), 1);
+  share_rows(N, 16, M == 1 ? 2 : M < 16 ? std::clamp<int64_t>(chunks, 2, 8) : 8, fn);
 }
 
 // Whether `isa` may run on this CPU (best: best_isa()).
@@ -955,7 +962,7 @@ at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Te
           present(sc) ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, G, KB, f};
   float* yp = y.data_ptr<float>();
   const auto gemm = avx512 ? rows16_gemm : rows16_gemm_avx2;
-  over_weight_rows(N, M, [&](int64_t n0, int64_t n1) { gemm(xv, wv, bp, yp, n0 / 16, n1 / 16); });
+  over_weight_rows(N, M, KB, [&](int64_t n0, int64_t n1) { gemm(xv, wv, bp, yp, n0 / 16, n1 / 16); });
 #endif
   return y;
 }
@@ -980,7 +987,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
   const float* xs = split_min ? xs_t.data_ptr<float>() : nullptr;
   const SplitMinFn minfn = split_min_for(isa);
   const auto over_rows = [&](auto&& gemm) {
-    over_weight_rows(N, M, [&](int64_t n0, int64_t n1) {
+    over_weight_rows(N, M, KB, [&](int64_t n0, int64_t n1) {
       if (split_min)  // the dmin of these rows into L2 while the kernel runs (the kernel does not read them)
         for (int64_t at = n0 * (KB / kSuper) * 2; at < n1 * (KB / kSuper) * 2; at += 64)
           __builtin_prefetch(reinterpret_cast<const uint8_t*>(w.m) + at, 0, 2);
@@ -1084,7 +1091,7 @@ at::Tensor linear_tiles(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const SplitMinFn minfn = split_min_for(isa);
     float* yp = y.data_ptr<float>();
     const float* xp = xs.data_ptr<float>();
-    over_weight_rows(w.N, M, [&](int64_t n0, int64_t n1) { minfn(xp, M, w, yp, n0, n1); });
+    over_weight_rows(w.N, M, w.KB, [&](int64_t n0, int64_t n1) { minfn(xp, M, w, yp, n0, n1); });
   }
   return y;
 }
