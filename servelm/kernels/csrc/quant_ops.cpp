@@ -55,8 +55,9 @@ inline bool super_x(int64_t isa, Fmt f) { return isa == kAvx2I8 && fmt_kquant(f)
 
 // fn(n0, n1) over the weight rows [0, N) in units of `unit` rows (n0 a multiple of it), shared among the threads by
 // work stealing (parallel.h), `per_thread` chunks a thread. over_weight_rows: units of 16 rows (the micro-kernels'
-// work, for M rows of x), 8 chunks a thread; 2 for M = 1, whose weights stream from
-// memory (a chunk's start breaks the stream: 8 chunks cost the 1B shape's decode pass ~9%, 2 nothing measurable).
+// work, for M rows of x), 8 chunks a thread from 16 rows of x; 2 for M = 1, whose weights stream from memory (a
+// chunk's start breaks the stream: 8 chunks cost the 1B shape's decode pass ~9%, 2 nothing measurable); in between
+// chunks of at least kChunkBlocks (below).
 // Measured (8 layers of the 1B shape, Q4_K, two threads, rounds interleaved in one process, against one static
 // half a thread): a quiet machine 0.99-1.00x the time at M = 5 and 64; with one thread of the machine at 100%
 // elsewhere, M = 64 0.85x; in a busy minute, M = 5 0.91x and M = 64 0.93x.
