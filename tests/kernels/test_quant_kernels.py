@@ -205,13 +205,14 @@ def test_linear_is_batch_invariant(path, fmt):
 @pytest.mark.parametrize("path", KERNELS, indirect=True)
 @pytest.mark.parametrize("fmt", ["q4_k", "q4_0", "q8_0"])
 def test_weight_rows_shared_by_work_stealing_give_the_one_thread_bits(path, fmt):
-    """The threads share a linear's weight rows in chunks taken from an atomic counter (csrc share_rows: 8
-    chunks a thread, 2 for one row of x), the last one short: with two threads every output is written, and is
+    """The threads share a linear's weight rows in chunks taken from an atomic counter (csrc over_weight_rows: 8
+    chunks a thread, 2 for one row of x and for these small weights at 2-15 rows), the last one short: with two
+    threads every output is written, and is
     bitwise the one-thread output, in the row layout and the 16-row one, at one row of x and at many, on the
     micro-kernels and on the many-rows path (panel GEMM or fp32 tiles)."""
     g = torch.Generator().manual_seed(8)
-    # 38 units of 16 weight rows (chunks of 3, 10 at M = 1; the last one short), with a tail of 5 rows in the row
-    # layout; 37 units in the 16-row one (whole groups only)
+    # 38 units of 16 weight rows (chunks of 3 at M = 40, of 10 at M = 1, 2 and 5; the last one short), with a tail
+    # of 5 rows in the row layout; 37 units in the 16-row one (whole groups only)
     k = 512
     layouts = [_rows16_weight(fmt, 16 * 37 + 5, k, seed=5)]
     if path in ROWS16_PATHS and fmt in ROWS16:
