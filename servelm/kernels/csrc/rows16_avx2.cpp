@@ -31,7 +31,7 @@ namespace {
 template <Fmt F>
 constexpr int kTile = Traits<F>::split ? 3 : 4;
 template <Fmt F>  // up to this many rows of x, a tile takes both halves of a group in one pass over its blocks
-constexpr int kBoth = Traits<F>::split ? 2 : 3;
+constexpr int kBoth = Traits<F>::split ? 2 : (F == Q8_0 ? 4 : 3);
 
 // vpmaddubsw results (each up to 2 * code max * 127) summed in int16 before one vpmaddwd
 template <Fmt F>
