@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from servelm.constrained import allowed_tokens
+from servelm.layers import fused
 from servelm.sampling_params import SampleOutput, SamplingParams, SamplingRow
 
 _MASK64 = (1 << 64) - 1
@@ -101,7 +102,11 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
     apply_penalties(logits, rows)
     tokens: list[int] = []
     greedy = [i for i, r in enumerate(rows) if r.target is None and r.params.is_greedy]
-    greedy_tokens = dict(zip(greedy, logits[greedy].argmax(dim=-1).tolist())) if greedy else {}
+    if greedy:  # every row greedy (a verify step's): no copy of the rows first
+        chosen = fused.greedy_argmax(logits if len(greedy) == len(rows) else logits[greedy])
+        greedy_tokens = dict(zip(greedy, chosen.tolist()))
+    else:
+        greedy_tokens = {}
     drawn: dict[int, torch.Tensor] = {}
     for i, row in enumerate(rows):
         if row.target is None and i not in greedy_tokens:

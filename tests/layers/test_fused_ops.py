@@ -169,6 +169,43 @@ def test_silu_extremes(isa: int) -> None:
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("V", [1, 3, 4, 8, 15, 16, 17, 100, 49152, 151937])
+def test_argmax_rows_equals_torch_argmax(isa: int, V: int) -> None:
+    """The same indices as torch.argmax on random rows, many ties (the first wins), -inf runs, rows all -inf,
+    NaNs (counted as the largest: the first NaN wins), +inf, the maximum in the tail past the last whole vector."""
+    g = _gen(V)
+    for trial in range(24):
+        R = 1 + trial % 5
+        x = torch.randn(R, V, generator=g)
+        if trial % 3 == 1:
+            x = torch.randint(-3, 3, (R, V), generator=g).float()
+        if trial % 4 == 2:
+            x[:, ::3] = float("-inf")
+        if trial % 6 == 3:
+            x[0, torch.randint(0, V, (1,), generator=g)] = float("nan")
+            x[-1, -1] = float("nan")
+        if trial % 8 == 4:
+            x[0] = float("-inf")
+        if trial % 5 == 4:
+            x[:, -1] = x[:, -1].abs() + 100
+        if trial % 7 == 5:
+            x[-1, V // 2] = float("inf")
+        assert torch.equal(fused.argmax_rows(x), x.argmax(dim=-1)), (V, trial)
+    assert fused.argmax_rows(torch.empty(0, V)).shape == (0,)
+
+
+def test_greedy_argmax_keeps_torch_where_the_op_does_not_run() -> None:
+    x = torch.randn(4, 1000)
+    x[:, 7] = 50
+    assert fused.greedy_argmax(x).tolist() == [7] * 4
+    assert fused.greedy_argmax(x.double()).tolist() == [7] * 4  # torch.argmax
+    assert fused.greedy_argmax(x.t().contiguous().t()).tolist() == [7] * 4  # a strided view
+    fused.set_enabled(False)
+    assert fused.greedy_argmax(x).tolist() == [7] * 4
+    with pytest.raises(RuntimeError, match=r"argmax_rows takes \[R, V\]"):
+        fused.argmax_rows(torch.randn(5))
+
+
 def _decode_case(group: int, D: int, lens: list[int], seed: int, hkv: int = 3):
     g = _gen(seed)
     cache = KVCache(2, 4096, hkv, D, torch.float32, torch.device("cpu"))

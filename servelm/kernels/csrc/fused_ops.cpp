@@ -106,6 +106,7 @@ struct Kernels {
   void (*merge_items)(const DecodeWork& w, int64_t i0, int64_t i1);
   void (*encode_row)(int kt, const float* x, int64_t D, void* dst, uint16_t* scale);
   void (*prefill_units)(const PrefillWork& w, int64_t u0, int64_t u1, float* buf);
+  void (*argmax_rows)(const float* x, int64_t V, int64_t* out, int64_t r0, int64_t r1);
   int64_t width;  // W: floats per vector
 };
 
@@ -411,6 +412,20 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return y;
 }
 
+// torch.argmax(x, dim=-1) of a [R, V] float32 tensor (the greedy tokens of a step's logits), bit for bit: the
+// first of equal maxima, a NaN counted as the largest -> int64 [R].
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_contig_f32(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "servelm_fused: argmax_rows takes [R, V] with V > 0, got ", x.sizes());
+  const int64_t R = x.size(0), V = x.size(1);
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  const Kernels& k = kernels();
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, grain(V), [&](int64_t r0, int64_t r1) { k.argmax_rows(xp, V, op, r0, r1); });
+  return out;
+}
+
 // One query token per request over its cached keys: q [B, H, D]; k_cache, v_cache [slots, Hkv, D] (any KV
 // storage dtype, read as it is: no fp32 copy of the cache); kv_index [B, L] cache slots, of which request b
 // attends to the first lens[b] -> [B, H * D]. Query head h reads kv head h / (H / Hkv); softmax(scale * q.k),
@@ -699,6 +714,7 @@ TORCH_LIBRARY(servelm_fused, lib) {
           "-> Tensor", &servelm_fused::qkv_rotary_cache);
   lib.def("kv_encode(Tensor x, Tensor(a!) dst, Tensor(b!)? scale) -> ()", &servelm_fused::kv_encode);
   lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
+  lib.def("argmax_rows(Tensor x) -> Tensor", &servelm_fused::argmax_rows);
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
           "Tensor kv_index, Tensor lens, float scale) -> Tensor", &servelm_fused::decode_attention);
   lib.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
