@@ -30,7 +30,11 @@ namespace {
 // 4 rows; M = 128 66-79 and 62-68 ms).
 template <Fmt F>
 constexpr int kTile = Traits<F>::split ? 3 : 4;
-template <Fmt F>  // up to this many rows of x, a tile takes both halves of a group in one pass over its blocks
+// Up to this many rows of x, a tile takes both halves of a group in one pass over its blocks. Q8_0 at 4 rows: 8
+// accumulators, the 4 broadcasts and a row of codes, no spill; one pass instead of two took the 1B shape's 512-token
+// prompt on this path from x1.41 to x1.56 llama.cpp's AVX2 build (docs/measurements/quant-kernels.md,
+// "Twenty-seventh session"). The nibble formats' int16 sums need more registers: 3.
+template <Fmt F>
 constexpr int kBoth = Traits<F>::split ? 2 : (F == Q8_0 ? 4 : 3);
 
 // vpmaddubsw results (each up to 2 * code max * 127) summed in int16 before one vpmaddwd
