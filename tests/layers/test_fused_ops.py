@@ -194,16 +194,24 @@ def test_argmax_rows_equals_torch_argmax(isa: int, V: int) -> None:
     assert fused.argmax_rows(torch.empty(0, V)).shape == (0,)
 
 
-def test_greedy_argmax_keeps_torch_where_the_op_does_not_run() -> None:
+def test_greedy_argmax_takes_the_op_for_fp32_on_cpu_and_torch_elsewhere(monkeypatch) -> None:
+    calls = []
+    op = fused.argmax_rows
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.is_contiguous())
+        return op(x)
+
+    monkeypatch.setattr(fused, "argmax_rows", spy)
     x = torch.randn(4, 1000)
     x[:, 7] = 50
-    assert fused.greedy_argmax(x).tolist() == [7] * 4
-    assert fused.greedy_argmax(x.double()).tolist() == [7] * 4  # torch.argmax
-    assert fused.greedy_argmax(x.t().contiguous().t()).tolist() == [7] * 4  # a strided view
+    assert fused.greedy_argmax(x).tolist() == [7] * 4 and calls == [True]
+    assert fused.greedy_argmax(x.t().contiguous().t()).tolist() == [7] * 4 and calls == [True, True]  # copied
+    assert fused.greedy_argmax(x.double()).tolist() == [7] * 4 and len(calls) == 2  # torch.argmax
     fused.set_enabled(False)
-    assert fused.greedy_argmax(x).tolist() == [7] * 4
+    assert fused.greedy_argmax(x).tolist() == [7] * 4 and len(calls) == 2
     with pytest.raises(RuntimeError, match=r"argmax_rows takes \[R, V\]"):
-        fused.argmax_rows(torch.randn(5))
+        op(torch.randn(5))
 
 
 def _decode_case(group: int, D: int, lens: list[int], seed: int, hkv: int = 3):
