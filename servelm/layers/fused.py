@@ -99,7 +99,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of fp32 logits [R, V] on CPU, the same indices (the first of equal maxima, a NaN
     counted as the largest) in one vectorised pass: over a verify step's 9 x 49,152 logits on a 2-core EPYC
-    torch's took ~320 us (and the greedy rows' copy before it ~150 us), this ~34 us; one row 57 against 10. An
+    torch's took 210-320 us (and the greedy rows' copy before it ~150 us), this ~34 us; one row 44-57 against 10. An
     exact op, so any kernel choice (deterministic mode too) may take it; `greedy_argmax` chooses it."""
     return _ops().argmax_rows.default(x)
 
