@@ -226,6 +226,20 @@ __attribute__((target("avx2"))) inline void add_crumbs_pair(const uint8_t* c32, 
   hi = _mm256_or_si256(hi, _mm256_and_si256(H ? _mm256_srli_epi16(v, 2) : v, m));
 }
 
+// A software prefetch that GCC keeps: it models __builtin_prefetch as free of side effects, so GCC 12's IPA found
+// a function that only prefetches (R16Tile::prefetch, a lambda) pure and deleted every call to it; the 16-row
+// kernels had compiled without one prefetch instruction. An asm volatile is never deleted. Locality 3 into L1
+// (prefetcht0), 2 into L2 (prefetcht1).
+template <int Locality>
+inline void prefetch_read(const void* p) {
+  static_assert(Locality == 2 || Locality == 3, "prefetcht0 or prefetcht1");
+  if constexpr (Locality == 3) {
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  } else {
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+  }
+}
+
 // Prefetches into L2 the fields of rows [n, n + rows) other than the codes (scales, minimums, the k-quants' scale
 // bytes, bit planes): a few cache lines a row, in arrays of their own, so the hardware's stream prefetchers
 // lag behind on them; the kernels call it a few micro-tiles ahead (the codes they prefetch as they go).
@@ -233,7 +247,7 @@ template <Fmt F>
 inline void prefetch_fields(const QWeight& w, int64_t n, int64_t rows) {
   const auto lines = [](const void* base, int64_t first, int64_t bytes) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(base) + first, end = a + bytes;
-    for (uintptr_t p = a & ~uintptr_t{63}; p < end; p += 64) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+    for (uintptr_t p = a & ~uintptr_t{63}; p < end; p += 64) prefetch_read<2>(reinterpret_cast<const void*>(p));
   };
   const int64_t per = Traits<F>::kquant ? w.KB / kSuper : w.KB;  // d (and m) per row
   lines(w.d, n * per * 2, rows * per * 2);
@@ -520,19 +534,19 @@ struct R16Tile {
   void prefetch(int64_t b) const {
     constexpr int64_t ahead = kAhead / qb;
     const uint8_t* p = qs + b * qb + kAhead;
-    for (int64_t c = 0; c < qb; c += 64) __builtin_prefetch(p + c, 0, 3);
+    for (int64_t c = 0; c < qb; c += 64) prefetch_read<3>(p + c);
     if constexpr (kq) {
-      __builtin_prefetch(scg + (b + ahead) * 32, 0, 3);
+      prefetch_read<3>(scg + (b + ahead) * 32);
       if ((b & (kSuper - 1)) == 0) {
-        __builtin_prefetch(dg + (b / kSuper + 2) * 16, 0, 3);
-        if (mg) __builtin_prefetch(mg + (b / kSuper + 2) * 16, 0, 3);
+        prefetch_read<3>(dg + (b / kSuper + 2) * 16);
+        if (mg) prefetch_read<3>(mg + (b / kSuper + 2) * 16);
       }
     } else {
-      __builtin_prefetch(dg + (b + ahead) * 16, 0, 3);
-      if (mg) __builtin_prefetch(mg + (b + ahead) * 16, 0, 3);
+      prefetch_read<3>(dg + (b + ahead) * 16);
+      if (mg) prefetch_read<3>(mg + (b + ahead) * 16);
     }
-    if constexpr (split || plane) __builtin_prefetch(hbg + (b + ahead) * hbb, 0, 3);
-    if constexpr (split) __builtin_prefetch(hbg + (b + ahead) * hbb + 64, 0, 3);
+    if constexpr (split || plane) prefetch_read<3>(hbg + (b + ahead) * hbb);
+    if constexpr (split) prefetch_read<3>(hbg + (b + ahead) * hbb + 64);
   }
 };
 inline bool rows16_format(Fmt f) {

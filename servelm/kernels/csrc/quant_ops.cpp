@@ -991,7 +991,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d
     over_weight_rows(N, M, KB, [&](int64_t n0, int64_t n1) {
       if (split_min)  // the dmin of these rows into L2 while the kernel runs (the kernel does not read them)
         for (int64_t at = n0 * (KB / kSuper) * 2; at < n1 * (KB / kSuper) * 2; at += 64)
-          __builtin_prefetch(reinterpret_cast<const uint8_t*>(w.m) + at, 0, 2);
+          prefetch_read<2>(reinterpret_cast<const uint8_t*>(w.m) + at);
       gemm(n0, n1);
       if (split_min) minfn(xs, M, w, y.data_ptr<float>(), n0, n1);
     });
