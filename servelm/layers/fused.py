@@ -158,13 +158,6 @@ def decode_attention(q: torch.Tensor, kv: Any, kv_index: torch.Tensor, lens: tor
     return _ops().decode_attention.default(q, kv.k, kv.v, kv.k_scale, kv.v_scale, kv_index, lens, scale)
 
 
-def attention_bf16_dot() -> bool:
-    """Whether `decode_attention` over a bfloat16 cache takes AVX-512 BF16's dot products now (the ISA in use is
-    AVX-512 and the CPU has AVX-512 BF16, unless SERVELM_ATTN_BF16DOT=0): each query and each softmax
-    probability is then rounded to bfloat16 before its products (csrc/fused_kernels.inc)."""
-    return bool(_ops().attention_bf16_dot.default())
-
-
 def prefill_attention(q: torch.Tensor, kv: Any, index: torch.Tensor, reqs: torch.Tensor, scale: float,
                       out: torch.Tensor, causal: bool = True) -> None:
     """Causal attention of extend requests over a layer's paged KV (read in its storage dtype) into `out`

@@ -114,69 +114,13 @@ def _reference(kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], group
     return torch.stack(outs).float()
 
 
-def _bf16_dot(name: str, D: int) -> bool:
-    """Whether decode attention takes AVX-512 BF16's dot products for this cache and head size now."""
-    return name == "bfloat16" and D % 32 == 0 and fused.attention_bf16_dot()
-
-
-def _reference_bf16_dot(kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], group: int,
-                        scale: float) -> torch.Tensor:
-    """What the bf16 dot-product path computes (csrc/fused_kernels.inc scores_bf16, pv_bf16), in float64 but for
-    its two roundings: each query rounded to bf16, and per chunk of keys each probability exp(s - m) (m the
-    chunk's largest score, exp in fp32) rounded to bf16 for the V sums, while the softmax's sums take them
-    unrounded; the chunks merged as the kernel merges them."""
-    outs = []
-    for b, s in enumerate(slots):
-        keys, values = (t.double().repeat_interleave(group, dim=1) for t in kv.gather(s))  # [L, H, D]
-        scores = torch.einsum("hd,lhd->hl", q[b].bfloat16().double(), keys) * scale
-        top = scores.max(-1, keepdim=True).values
-        num = den = 0
-        for c0 in range(0, len(s), CHUNK):
-            chunk = scores[:, c0:c0 + CHUNK]
-            m = chunk.max(-1, keepdim=True).values
-            p = (chunk - m).float().exp()
-            w = (m - top).exp()
-            num = num + w * torch.einsum("hl,lhd->hd", p.bfloat16().double(), values[c0:c0 + CHUNK])
-            den = den + w * p.double().sum(-1, keepdim=True)
-        outs.append((num / den).reshape(-1))
-    return torch.stack(outs).float()
-
-
 @pytest.mark.parametrize("name", STORED)
 @pytest.mark.parametrize(("group", "D"), [(1, 64), (4, 64), (3, 128), (2, 40)])
 def test_decode_attention_reads_every_dtype(isa: int, name: str, group: int, D: int) -> None:
     lens = [1, 5, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3, 700]
     cache, kv, slots, q, index, lens_t = _case(name, lens, 2, group, D, seed=group * D)
     out = fused.decode_attention(q, kv, index, lens_t, D ** -0.5)
-    ref = _reference_bf16_dot(kv, q, slots, group, D ** -0.5) if _bf16_dot(name, D) else _reference(kv, q, slots, group)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_bf16_dot_products_add_no_more_error_than_the_bf16_cache() -> None:
-    """On a CPU with AVX-512 BF16 a bf16 cache's decode attention rounds q and p to bf16: what that adds to the
-    error (against float64 attention of the unrounded q over the same bf16 K/V) stays below what storing K/V
-    in bf16 costs (float64 attention over the fp32 K/V before the cache rounded them)."""
-    if not fused.attention_bf16_dot():
-        pytest.skip("no AVX-512 BF16 here: the fp32 path reads the bf16 cache")
-    lens, hkv, group, seed = [700, 300, 2 * CHUNK + 3], 3, 3, 4
-    cache, kv, slots, q, index, lens_t = _case("bfloat16", lens, hkv, group, 64, seed=seed)
-    g = torch.Generator().manual_seed(seed)  # the fp32 K/V _case wrote
-    total = max(4096, sum(lens) + 8)
-    full = mp.LayerKV(torch.randn(total, hkv, 64, generator=g), torch.randn(total, hkv, 64, generator=g), None,
-                      None, torch.float32)
-    q = q * 3  # peaked attention: scores of std ~3
-    out = fused.decode_attention(q, kv, index, lens_t, 0.125)
-    stored = _reference(kv, q, slots, group)  # the bf16 K/V, q and p unrounded
-    exact = _reference(full, q, slots, group)
-
-    def rms(t: torch.Tensor) -> float:
-        return t.pow(2).mean().sqrt().item()
-
-    added, storage = rms(out - stored), rms(stored - exact)
-    print(f"bf16 dot products: error added {added:.3e}, the bf16 cache's own {storage:.3e} "
-          f"(output rms {rms(exact):.3e})")
-    assert 0 < added < storage
-    torch.testing.assert_close(out, _reference_bf16_dot(kv, q, slots, group, 0.125), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, _reference(kv, q, slots, group), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
@@ -185,9 +129,6 @@ def test_decode_attention_long_contexts(name: str) -> None:
     lens = [20000, 4097, 3]
     cache, kv, slots, q, index, lens_t = _case(name, lens, 1, 4, 64, seed=5)
     out = fused.decode_attention(q, kv, index, lens_t, 0.125)
-    if _bf16_dot(name, 64):
-        torch.testing.assert_close(out, _reference_bf16_dot(kv, q, slots, 4, 0.125), rtol=2e-5, atol=2e-5)
-        return
     for b, s in enumerate(slots):
         keys, values = kv.gather(s)  # [L, 1, D]
         ref = F.scaled_dot_product_attention(q[b].view(1, 4, 1, 64), keys.transpose(0, 1).unsqueeze(0),
@@ -292,14 +233,7 @@ def test_layer_fused_and_torch_paths_agree(name: str) -> None:
         ref = attn(q, k, v, fb)
     finally:
         fused.set_enabled(previous)
-    if not _bf16_dot(name, 64):
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        return
-    # the decode rows round q and p to bf16 (test_bf16_dot_products_add_no_more_error_than_the_bf16_cache)
-    decode = [sum(extend[:i]) for i, n in enumerate(extend) if n == 1]
-    rest = [t for t in range(sum(extend)) if t not in decode]
-    torch.testing.assert_close(out[rest], ref[rest], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out[decode], ref[decode], rtol=0, atol=4e-3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_pool_sizes_and_auto() -> None:

@@ -16,9 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -70,7 +68,6 @@ struct DecodeWork {
   const int64_t* item_first;
   float* partial;
   float* out;
-  bool bf16dot;  // the AVX-512 kernels may take vdpbf16ps for a bf16 cache's scores (fused_kernels.inc)
 };
 
 // A prefill-attention call (fused_kernels.inc, prefill_units): request r's n new queries are rows
@@ -153,21 +150,6 @@ int64_t best_isa() {
 }
 
 std::atomic<int64_t> g_isa{-1};
-
-// Whether the AVX-512 decode attention takes vdpbf16ps for a bf16 cache's scores: a CPU with AVX-512 BF16, unless
-// SERVELM_ATTN_BF16DOT=0.
-bool bf16dot_supported() {
-#if defined(__x86_64__) || defined(_M_X64)
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    const char* env = std::getenv("SERVELM_ATTN_BF16DOT");
-    return __builtin_cpu_supports("avx512bf16") && !(env && std::string(env) == "0");
-  }();
-  return yes;
-#else
-  return false;
-#endif
-}
 
 const Kernels& kernels() {
   int64_t isa = g_isa.load(std::memory_order_relaxed);
@@ -432,10 +414,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // torch.argmax(x, dim=-1) of a [R, V] float32 tensor (the greedy tokens of a step's logits), bit for bit: the
 // first of equal maxima, a NaN counted as the largest -> int64 [R].
-// Whether decode attention over a bf16 cache takes vdpbf16ps now (the ISA in use is AVX-512 and the CPU has
-// AVX-512 BF16; fused_kernels.inc): its queries and probabilities are rounded to bf16 there.
-bool attention_bf16_dot() { return kernels().width == 16 && bf16dot_supported(); }
-
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_contig_f32(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(1) > 0, "servelm_fused: argmax_rows takes [R, V] with V > 0, got ", x.sizes());
@@ -525,8 +503,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   }
   std::vector<float> partial(item_first[items] * g * (D + 2));
   const DecodeWork w{q.data_ptr<float>(), kv, ip, lp, static_cast<float>(scale), H, Hkv, D, L, per,
-                     units.data(), item_first.data(), partial.data(), out.data_ptr<float>(),
-                     attention_bf16_dot()};
+                     units.data(), item_first.data(), partial.data(), out.data_ptr<float>()};
   const Kernels& k = kernels();
   // per unit ~2 * keys * g * D multiply-adds per head (keys: its share of the step's)
   const int64_t per_unit = std::max<int64_t>(1, 2 * (keys / total) * per * g * D);
@@ -738,7 +715,6 @@ TORCH_LIBRARY(servelm_fused, lib) {
   lib.def("kv_encode(Tensor x, Tensor(a!) dst, Tensor(b!)? scale) -> ()", &servelm_fused::kv_encode);
   lib.def("silu_and_mul(Tensor gate_up) -> Tensor", &servelm_fused::silu_and_mul);
   lib.def("argmax_rows(Tensor x) -> Tensor", &servelm_fused::argmax_rows);
-  lib.def("attention_bf16_dot() -> bool", &servelm_fused::attention_bf16_dot);
   lib.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
           "Tensor kv_index, Tensor lens, float scale) -> Tensor", &servelm_fused::decode_attention);
   lib.def("prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
