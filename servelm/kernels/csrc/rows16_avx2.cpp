@@ -61,8 +61,8 @@ inline __m256 half8(const uint16_t* p) {  // 8 fp16 -> fp32
 // Rows i0 .. i0 + R of x against group g, H halves of the group a pass over its blocks: H = 2 (both halves as
 // each block comes: one stream over the weights, for the few rows of decode and verify steps) or 1 (half by half,
 // the second pass finding the group's lines in L1/L2: room in the registers for more rows of x).
-template <Fmt F, int R, int H>
-void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const float* bias, float* y) {
+template <Fmt F, int R, int H, bool PF>
+void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, const float* bias, float* y) {
   using T = Traits<F>;  // the formats rows16_format names: no lookup table, no crumb codes
   static_assert(!T::lut && !T::crumb_codes && (T::nibbles || F == Q8_0), "a format without a 16-row layout");
   constexpr bool q8 = !T::nibbles, kq = T::kquant, split = T::split;
@@ -85,7 +85,9 @@ void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const 
     for (int u = 0; u < H; ++u) dsup[u] = msup[u] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* p = qs + b * qb;
-      if (pf && h0 == 0) at.prefetch(b);  // a second pass finds the group's lines in cache
+      if constexpr (PF) {
+        if (h0 == 0) at.prefetch(b);  // a second pass finds the group's lines in cache
+      }
       __m256i a0[H][R], a1[H][R];
       for (int u = 0; u < H; ++u)
         for (int r = 0; r < R; ++r) {
@@ -208,9 +210,9 @@ void tile_h(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const 
   }
 }
 
-template <Fmt F, int R>
-void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const float* bias, float* y) {
-  tile_h<F, R, (R <= kBoth<F>) ? 2 : 1>(x, w, g, i0, pf, bias, y);
+template <Fmt F, int R, bool PF>
+void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, const float* bias, float* y) {
+  tile_h<F, R, (R <= kBoth<F>) ? 2 : 1, PF>(x, w, g, i0, bias, y);
 }
 
 #include "rows16_driver.inc"

@@ -37,8 +37,8 @@ inline __m512i bcast4(const void* p) {
   return _mm512_set1_epi32(v);
 }
 
-template <Fmt F, int R>
-void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const float* bias, float* y) {
+template <Fmt F, int R, bool PF>
+void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, const float* bias, float* y) {
   using T = Traits<F>;  // the formats rows16_format names: no lookup table, no crumb codes
   static_assert(!T::lut && !T::crumb_codes && (T::nibbles || F == Q8_0), "a format without a 16-row layout");
   constexpr bool q8 = !T::nibbles, kq = T::kquant, split = T::split;
@@ -57,7 +57,7 @@ void tile(const R16X& x, const R16W& w, int64_t g, int64_t i0, bool pf, const fl
   __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* p = qs + b * qb;
-    if (pf) at.prefetch(b);
+    if constexpr (PF) at.prefetch(b);
     __m512i a0[R], a1[R];
     for (int r = 0; r < R; ++r) {
       a0[r] = offset ? _mm512_set1_epi32(xi[r][2 * b]) : _mm512_setzero_si512();
