@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "prefetch.h"
 
 namespace servelm_quant {
 at::Tensor linear_call(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,

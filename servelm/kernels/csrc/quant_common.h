@@ -16,6 +16,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "prefetch.h"
+
 namespace servelm_quant {
 
 // The block formats (servelm.kernels.quant.FORMATS is the Python side of this table; the codes must agree).
@@ -226,19 +228,7 @@ __attribute__((target("avx2"))) inline void add_crumbs_pair(const uint8_t* c32, 
   hi = _mm256_or_si256(hi, _mm256_and_si256(H ? _mm256_srli_epi16(v, 2) : v, m));
 }
 
-// A software prefetch that GCC keeps: it models __builtin_prefetch as free of side effects, so GCC 12's IPA found
-// a function that only prefetches (R16Tile::prefetch, a lambda) pure and deleted every call to it; the 16-row
-// kernels had compiled without one prefetch instruction. An asm volatile is never deleted. Locality 3 into L1
-// (prefetcht0), 2 into L2 (prefetcht1).
-template <int Locality>
-inline void prefetch_read(const void* p) {
-  static_assert(Locality == 2 || Locality == 3, "prefetcht0 or prefetcht1");
-  if constexpr (Locality == 3) {
-    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
-  } else {
-    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
-  }
-}
+using servelm_prefetch::prefetch_read;
 
 // Prefetches into L2 the fields of rows [n, n + rows) other than the codes (scales, minimums, the k-quants' scale
 // bytes, bit planes): a few cache lines a row, in arrays of their own, so the hardware's stream prefetchers
