@@ -14,6 +14,7 @@ BENCHES = {
     "quant": "servelm.bench.quant_probe",
     "detokenize": "servelm.bench.detokenize",
     "embeddings": "servelm.bench.embeddings",
+    "verify-step": "servelm.bench.verify_step",
 }
 
 

@@ -137,3 +137,24 @@ def test_serving_summary_reports_the_clients_prefix_cache_hit_rate() -> None:
     assert s["prefix_cache_hit_rate"] == 0.4 and s["completed"] == 2
     assert "Hit rate (cached / prompt tokens):           0.400" in format_summary(s, "t")
     assert summarize([RequestResult(success=True, input_len=5, output_len=1)], 1.0)["prefix_cache_hit_rate"] is None
+
+
+def test_verify_step_times_decode_and_forced_verify_steps(tiny_llama, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`servelm bench verify-step`: decode steps (k = 0) draft nothing, every k's steps verify k random drafts
+    (the output leaves room for all of them), and the ratios are the medians' ratios."""
+    from servelm.bench import verify_step
+
+    out = tmp_path / "verify.jsonl"
+    assert verify_step.main(["--model-path", str(tiny_llama[0]), "--num-draft-tokens", "2", "5", "--context-len",
+                             "40", "--steps", "6", "--runs", "2", "--max-total-tokens", "2048",
+                             "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["bench"] == "verify-step" and row["rounds"] == 2 and row["decode_step_ms"] > 0
+    assert row["verify_steps"]["0"] == 0 and row["draft_tokens"]["0"] == 0
+    for k in (2, 5):
+        steps, tokens = row["verify_steps"][str(k)], row["draft_tokens"][str(k)]
+        assert steps >= 2 * 6 and tokens >= k * 2 * 6  # the timed steps verify k drafts each
+        assert row["ratio"][str(k)] == pytest.approx(row["verify_step_ms"][str(k)] / row["decode_step_ms"])
+    text = capsys.readouterr().out
+    assert "verify k=5 (6 rows)" in text and "round 2:" in text
