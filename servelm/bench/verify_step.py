@@ -17,6 +17,7 @@ import dataclasses
 import json
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -76,7 +77,11 @@ def main(argv: list[str]) -> int:
                                chunked_prefill_size=max(args.chunked_prefill_size or 0, ns.context_len))
     engine = Engine(args)
     sched = engine.scheduler
-    assert sched.spec is not None
+    if sched.spec is None:  # an embedding model: nothing decodes
+        engine.shutdown()
+        print("servelm bench verify-step: the model does not generate (an embedding model has no decode steps)",
+              file=sys.stderr)
+        return 2
     sched.spec.guard = None  # no switching off: every step drafts
     forced = ForcedDrafts(sched.vocab_size, ns.seed)
     sched.spec.propose = forced.propose
