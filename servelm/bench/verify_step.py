@@ -65,7 +65,6 @@ def main(argv: list[str]) -> int:
                         help="Values of k to verify (each against k = 0, which is always run).")
     parser.add_argument("--context-len", type=int, default=128, help="Tokens of the request's prompt.")
     parser.add_argument("--steps", type=int, default=30, help="Timed steps of each k in a round.")
-    parser.set_defaults(runs=5)
     ns = parser.parse_args(argv)
     ks = sorted({0, *ns.num_draft_tokens})
     if ks[0] < 0 or ns.steps < 1 or ns.context_len < 1:
