@@ -135,16 +135,31 @@ namespace avx512 {
 #undef SERVELM_W
 }  // namespace avx512
 #pragma GCC pop_options
+
+// AVX-512 with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids on): the same kernels, but the decode attention
+// over a bf16 cache takes its products as vdpbf16ps (attend_unit).
+#pragma GCC push_options
+#pragma GCC target("avx512f,f16c,avx512bw,avx512bf16")
+namespace avx512bf16 {
+#define SERVELM_W 16
+#define SERVELM_BF16DOT 1
+#include "fused_kernels.inc"
+#undef SERVELM_BF16DOT
+#undef SERVELM_W
+}  // namespace avx512bf16
+#pragma GCC pop_options
 #endif
 
 namespace {
 
-enum Isa : int64_t { kSse2 = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kSse2 = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 int64_t best_isa() {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return kAvx512;
+  if (__builtin_cpu_supports("avx512f")) {
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") ? kAvx512Bf16 : kAvx512;
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
   return kSse2;
@@ -159,6 +174,7 @@ const Kernels& kernels() {
     g_isa.store(isa, std::memory_order_relaxed);
   }
 #if defined(__x86_64__) || defined(_M_X64)
+  if (isa == kAvx512Bf16) return avx512bf16::kernels;
   if (isa == kAvx512) return avx512::kernels;
   if (isa == kAvx2) return avx2::kernels;
 #endif
