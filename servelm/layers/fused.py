@@ -10,7 +10,9 @@ quantised-weight kernels, `servelm.kernels.build`), every tensor is fp32 on CPU,
 fused ops are not switched off (`SERVELM_FUSED_OPS=0` at start-up, or `set_enabled(False)`); the KV cache may
 be in any `--kv-cache-dtype` (`kv_available`). Otherwise the
 layers run their torch code, which these ops match to ~1e-6 relative (no FMA, but in decode attention; exp
-within ~2 ulp).
+within ~2 ulp). Decode attention over a bf16 cache on a CPU with AVX512_BF16 takes bf16 products instead (the
+query and the probabilities rounded to bf16, as llama.cpp rounds q to its f16 cache's type; ~1e-3 relative);
+`SERVELM_FUSED_ISA=avx512` (or `set_isa`) keeps them fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ import torch
 from servelm.layers import batch_invariant
 
 ENV = "SERVELM_FUSED_OPS"
+ISA_ENV = "SERVELM_FUSED_ISA"  # one of ISA_NAMES: the fused ops' instruction set from start-up (default: the best)
+# servelm_fused's ISA levels (fused_ops.cpp Isa). avx512_bf16: AVX-512 on a CPU with AVX512_BF16, whose decode
+# attention over a bf16 KV cache takes bf16 products (docs/measurements/decode-attention.md); avx512 keeps them
+# fp32 there.
+ISA_NAMES = ("sse2", "avx2", "avx512", "avx512_bf16")
 
 _enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
@@ -46,7 +53,37 @@ def _ops() -> Any | None:
 
     if not build.load_quant_ops():
         return None
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if forced:
+        _set_isa(torch.ops.servelm_fused, forced)
     return torch.ops.servelm_fused
+
+
+def _set_isa(ops: Any, name: str) -> str:
+    level = ISA_NAMES.index(name.lower()) if name.lower() in ISA_NAMES else -2
+    if level == -2:
+        raise ValueError(f"fused-ops ISA {name!r}: expected one of {', '.join(ISA_NAMES)}")
+    best = int(ops.best_isa())
+    if level > best:
+        raise ValueError(f"fused-ops ISA {name!r}: this CPU supports at most {ISA_NAMES[best]}")
+    return ISA_NAMES[int(ops.set_isa(level))]
+
+
+def isa() -> str:
+    """The fused ops' instruction set in use (`ISA_NAMES`)."""
+    ops = _ops()
+    if ops is None:
+        raise RuntimeError("the fused kernels are not built here")
+    return ISA_NAMES[int(ops.isa())]
+
+
+def set_isa(name: str | None) -> str:
+    """The fused ops' instruction set from now on, by name (`ISA_NAMES`; None: the best this CPU has); returns
+    the one in use. A faster one than the CPU has is an error. `SERVELM_FUSED_ISA` does the same at start-up."""
+    ops = _ops()
+    if ops is None:
+        raise RuntimeError("the fused kernels are not built here")
+    return ISA_NAMES[int(ops.set_isa(-1))] if name is None else _set_isa(ops, name)
 
 
 def loaded() -> bool:

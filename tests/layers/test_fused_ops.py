@@ -3,6 +3,10 @@ the switches that keep the torch path (SERVELM_FUSED_OPS / set_enabled, determin
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -301,3 +305,23 @@ def test_decode_attention_checks_its_inputs() -> None:
         fused.decode_attention(q, kv, index + 4096, torch.tensor([5, 3]), 0.125)
     with pytest.raises(RuntimeError, match="float32"):
         fused.decode_attention(q.double(), kv, index, torch.tensor([5, 3]), 0.125)
+
+
+def test_fused_isa_by_name_and_from_the_environment() -> None:
+    """`fused.set_isa` by name (None: the best), a clear error for an unknown or too fast one, and
+    SERVELM_FUSED_ISA applied when a process loads the ops."""
+    best = fused.ISA_NAMES[torch.ops.servelm_fused.best_isa()]
+    try:
+        assert fused.set_isa("sse2") == "sse2" and fused.isa() == "sse2"
+        assert fused.set_isa(None) == best and fused.isa() == best
+        with pytest.raises(ValueError, match="expected one of sse2, avx2, avx512, avx512_bf16"):
+            fused.set_isa("avx9")
+        if best != "avx512_bf16":
+            with pytest.raises(ValueError, match=f"this CPU supports at most {best}"):
+                fused.set_isa("avx512_bf16")
+    finally:
+        fused.set_isa(None)
+    code = "from servelm.layers import fused; print(fused.isa())"
+    env = {**os.environ, fused.ISA_ENV: "SSE2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "sse2", out.stderr[-2000:]

@@ -181,6 +181,12 @@ const Kernels& kernels() {
   return sse2::kernels;
 }
 
+// The ISA the ops use now.
+int64_t current_isa() {
+  kernels();  // resolves the default
+  return g_isa.load(std::memory_order_relaxed);
+}
+
 // The ISA every op uses from now on (tests run each path): -1 = the best this CPU has. Returns the one in use.
 int64_t set_isa(int64_t isa) {
   const int64_t best = best_isa();
@@ -721,6 +727,7 @@ TORCH_LIBRARY(servelm_fused, lib) {
       .def("run", &servelm_fused::DecodeStack::run);
   lib.def("best_isa() -> int", &servelm_fused::best_isa);
   lib.def("set_isa(int isa) -> int", &servelm_fused::set_isa);
+  lib.def("isa() -> int", &servelm_fused::current_isa);
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &servelm_fused::rms_norm);
   lib.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
           &servelm_fused::add_rms_norm);
