@@ -10,9 +10,9 @@ quantised-weight kernels, `servelm.kernels.build`), every tensor is fp32 on CPU,
 fused ops are not switched off (`SERVELM_FUSED_OPS=0` at start-up, or `set_enabled(False)`); the KV cache may
 be in any `--kv-cache-dtype` (`kv_available`). Otherwise the
 layers run their torch code, which these ops match to ~1e-6 relative (no FMA, but in decode attention; exp
-within ~2 ulp). Decode attention over a bf16 cache on a CPU with AVX512_BF16 takes bf16 products instead (the
-query and the probabilities rounded to bf16, as llama.cpp rounds q to its f16 cache's type; ~1e-3 relative);
-`SERVELM_FUSED_ISA=avx512` (or `set_isa`) keeps them fp32.
+within ~2 ulp). Decode and prefill attention over a bf16 cache on a CPU with AVX512_BF16 take bf16 products
+instead (the query and the probabilities rounded to bf16, as llama.cpp rounds q to its f16 cache's type; ~1e-3
+relative); `SERVELM_FUSED_ISA=avx512` (or `set_isa`) keeps them fp32.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from servelm.layers import batch_invariant
 ENV = "SERVELM_FUSED_OPS"
 ISA_ENV = "SERVELM_FUSED_ISA"  # one of ISA_NAMES: the fused ops' instruction set from start-up (default: the best)
 # servelm_fused's ISA levels (fused_ops.cpp Isa). avx512_bf16: AVX-512 on a CPU with AVX512_BF16, whose decode
-# attention over a bf16 KV cache takes bf16 products (docs/measurements/decode-attention.md); avx512 keeps them
-# fp32 there.
+# and prefill attention over a bf16 KV cache take bf16 products (docs/measurements/decode-attention.md); avx512
+# keeps them fp32 there.
 ISA_NAMES = ("sse2", "avx2", "avx512", "avx512_bf16")
 
 _enabled = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")

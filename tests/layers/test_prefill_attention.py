@@ -7,6 +7,8 @@ read in its storage dtype (online softmax over fixed 128-key chunks, no [q, k] m
 * not causal (an encoder's attention: every query sees all its request's keys), every ISA and KV dtype;
 * a row's bits depend neither on the threads, nor on the other requests, nor on how its prompt was chunked;
 * through PagedAttention in mixed steps against the layer's torch path (SDPA);
+* over a bf16 cache on an AVX512_BF16 CPU (ISA level avx512_bf16) its products are bf16 (the scaled query and
+  the probabilities rounded to bf16): against float64 attention that rounds the same values;
 * bad inputs are refused.
 """
 
@@ -21,6 +23,7 @@ from servelm.layers.attention import PagedAttention
 from servelm.mem_cache import memory_pool as mp
 from servelm.mem_cache.memory_pool import KVCache
 from tests.layers.test_fused_ops import _forward
+from tests.layers.test_kv_cache_dtypes import _bf16_products
 
 pytestmark = pytest.mark.skipif(not fused.loaded(), reason="the C++ kernels cannot be built here")
 
@@ -68,6 +71,44 @@ def _reference(kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], reqs:
     return torch.cat(outs).float()
 
 
+def _reference_bf16_products(kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], reqs: torch.Tensor,
+                             group: int, causal: bool = True) -> torch.Tensor:
+    """float64 attention rounding what the bf16-product kernel rounds: each query times the scale (in fp32) to
+    bf16; the online softmax over chunks of CHUNK keys (from position 0), each chunk's exp(s - the running max)
+    rounded to bf16 where it weighs V (not in the sums divided by)."""
+    outs = []
+    for s, (qs, n, L, _) in zip(slots, reqs.tolist()):
+        keys, values = (t.double().repeat_interleave(group, dim=1) for t in kv.gather(s))  # [L, H, D]
+        scores = torch.einsum("ihd,lhd->hil", (q[qs:qs + n] * q.shape[-1] ** -0.5).bfloat16().double(), keys)
+        if causal:
+            visible = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        top = torch.full(scores.shape[:2] + (1,), float("-inf"), dtype=torch.float64)
+        acc, total = 0.0, 0.0
+        for c in range(0, L, CHUNK):
+            chunk = scores[..., c:c + CHUNK]
+            new_top = torch.maximum(top, chunk.amax(-1, keepdim=True))
+            alpha, e = (top - new_top).exp(), (chunk - new_top).exp()
+            acc = acc * alpha + torch.einsum("hil,lhd->hid", e.float().bfloat16().double(), values[c:c + CHUNK])
+            total = total * alpha + e.sum(-1, keepdim=True)
+            top = new_top
+        outs.append((acc / total).transpose(0, 1).reshape(n, -1))
+    return torch.cat(outs).float()
+
+
+def _check(out: torch.Tensor, kv: mp.LayerKV, q: torch.Tensor, slots: list[torch.Tensor], reqs: torch.Tensor,
+           group: int, name: str, isa: int | None = None, causal: bool = True) -> None:
+    """`out` against float64 attention, or where the kernel takes bf16 products against the reference that
+    rounds the same values (a probability that fp32 and float64 put on either side of a bf16 rounding boundary
+    is one ulp apart: up to ~3e-4 here, hence 5e-4; rounding the query alone moves the output by ~3e-3)."""
+    if _bf16_products(name, isa) and q.shape[-1] % 32 == 0 and q.shape[-1] >= CHUNK // 2:
+        ref = _reference_bf16_products(kv, q, slots, reqs, group, causal)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=5e-4)
+        assert (out - _reference(kv, q, slots, reqs, group, causal)).abs().max() > 1e-4  # it did round
+    else:
+        torch.testing.assert_close(out, _reference(kv, q, slots, reqs, group, causal), rtol=1e-5, atol=1e-5)
+
+
 # (seq_len, new tokens): whole prompts and extends after a cached prefix, on and across chunk boundaries
 REQS = [(2, 2), (5, 3), (CHUNK - 1, CHUNK - 1), (CHUNK + 1, CHUNK + 1), (300, 40), (2 * CHUNK + 3, 1),
         (CHUNK + 7, 9)]
@@ -77,8 +118,7 @@ REQS = [(2, 2), (5, 3), (CHUNK - 1, CHUNK - 1), (CHUNK + 1, CHUNK + 1), (300, 40
 @pytest.mark.parametrize(("group", "D"), [(1, 64), (4, 64), (3, 128), (7, 64), (2, 40)])
 def test_prefill_attention_reads_every_dtype(isa: int, name: str, group: int, D: int) -> None:
     kv, slots, q, index, reqs = _case(name, REQS, 2, group, D, seed=group * D)
-    out = _run(q, kv, index, reqs)
-    torch.testing.assert_close(out, _reference(kv, q, slots, reqs, group), rtol=1e-5, atol=1e-5)
+    _check(_run(q, kv, index, reqs), kv, q, slots, reqs, group, name, isa)
 
 
 @pytest.mark.parametrize("name", STORED)
@@ -87,7 +127,7 @@ def test_prefill_attention_not_causal(isa: int, name: str, group: int, D: int) -
     """An encoder's attention (BertLayer): every query sees every key of its request, across chunk boundaries."""
     kv, slots, q, index, reqs = _case(name, REQS, 2, group, D, seed=group * D + 1)
     out = _run(q, kv, index, reqs, causal=False)
-    torch.testing.assert_close(out, _reference(kv, q, slots, reqs, group, causal=False), rtol=1e-5, atol=1e-5)
+    _check(out, kv, q, slots, reqs, group, name, isa, causal=False)
     assert not torch.allclose(out, _run(q, kv, index, reqs))  # the mask is what differs
 
 
@@ -96,7 +136,8 @@ def test_prefill_attention_writes_only_its_rows() -> None:
     reqs = reqs[1:]  # only the second request: rows 10 .. 14
     out = _run(q, kv, index, reqs)
     assert torch.isnan(out[:10]).all() and torch.isfinite(out[10:]).all()
-    torch.testing.assert_close(out[10:], _reference(kv, q, slots[1:], reqs, 3)[-5:], rtol=1e-5, atol=1e-5)
+    reqs[:, 0] = 0  # the reference takes the request's rows from the start of q
+    _check(out[10:], kv, q[10:], slots[1:], reqs, 3, "bfloat16")
 
 
 @pytest.mark.parametrize("name", ["float32", "bfloat16", "int8"])
@@ -105,6 +146,9 @@ def test_prefill_attention_long_contexts(name: str) -> None:
     reqs_list = [(20000, 64), (1000, 1000)]
     kv, slots, q, index, reqs = _case(name, reqs_list, 2, 4, 64, seed=5)
     out = _run(q, kv, index, reqs)
+    if _bf16_products(name):
+        torch.testing.assert_close(out, _reference_bf16_products(kv, q, slots, reqs, 4), rtol=1e-4, atol=5e-4)
+        return
     for s, (qs, n, L, _) in zip(slots, reqs.tolist()):
         keys, values = kv.gather(s)
         mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]

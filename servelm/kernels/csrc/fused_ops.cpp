@@ -136,8 +136,8 @@ namespace avx512 {
 }  // namespace avx512
 #pragma GCC pop_options
 
-// AVX-512 with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids on): the same kernels, but the decode attention
-// over a bf16 cache takes its products as vdpbf16ps (attend_unit).
+// AVX-512 with AVX512_BF16 (Zen 4, Cooper Lake, Sapphire Rapids on): the same kernels, but decode and prefill
+// attention over a bf16 cache take their products as vdpbf16ps (attend_unit, prefill_unit).
 #pragma GCC push_options
 #pragma GCC target("avx512f,f16c,avx512bw,avx512bf16")
 namespace avx512bf16 {
