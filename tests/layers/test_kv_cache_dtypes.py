@@ -199,11 +199,12 @@ def test_decode_attention_bits_ignore_threads_and_batch() -> None:
 
 
 @pytest.mark.parametrize("name", STORED)
-@pytest.mark.parametrize(("group", "D"), [(3, 64), (2, 40)])
+@pytest.mark.parametrize(("group", "D"), [(3, 64), (2, 40), (32, 64)])
 def test_verify_rows_share_their_keys_and_keep_their_bits(isa: int, name: str, group: int, D: int) -> None:
     """A speculating request's verify rows (the same slots, each row one key more) are attended to together, a
     chunk's keys read once for all of them; every row gets the bits it gets alone, across chunk boundaries
-    and beside other requests (and a run longer than one unit takes, 16 rows)."""
+    and beside other requests (and a run longer than one unit takes, 16 rows; with 32 query heads a KV head,
+    more (row, query head) pairs than the bf16 products convert at once)."""
     cache, kv, slots, q, index, lens_t = _case(name, [CHUNK - 2, 40, 2 * CHUNK + 3], 3, group, D, seed=D)
     rows = [(0, 5), (1, 1), (2, 20)]  # (request, verify rows): rows see its first n - 1 + j keys and then more
     extra = torch.randperm(4096, generator=torch.Generator().manual_seed(D))[:24]
