@@ -60,10 +60,9 @@ def _ops() -> Any | None:
 
 
 def _set_isa(ops: Any, name: str) -> str:
-    level = ISA_NAMES.index(name.lower()) if name.lower() in ISA_NAMES else -2
-    if level == -2:
+    if name.lower() not in ISA_NAMES:
         raise ValueError(f"fused-ops ISA {name!r}: expected one of {', '.join(ISA_NAMES)}")
-    best = int(ops.best_isa())
+    level, best = ISA_NAMES.index(name.lower()), int(ops.best_isa())
     if level > best:
         raise ValueError(f"fused-ops ISA {name!r}: this CPU supports at most {ISA_NAMES[best]}")
     return ISA_NAMES[int(ops.set_isa(level))]
