@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("quant_ops.cpp", "quant_scalar.cpp", "quant_avx2.cpp", "quant_avx512.cpp", "quant_avx512_vnni.cpp",
            "tiles_scalar.cpp", "tiles_avx2.cpp", "tiles_avx512.cpp", "panels_avx512_vnni.cpp", "panels_avx2.cpp",
-           "rows16_avx512_vnni.cpp", "rows16_avx2.cpp", "fused_ops.cpp")
+           "rows16_avx512_vnni.cpp", "rows16_avx2.cpp", "rows16_amx.cpp", "fused_ops.cpp")
 CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17", "-fopenmp"]  # no fp contraction: dequantised values stay
 # exactly gguf's; OpenMP: at::parallel_for is inline, so without it the kernel runs on one thread
 LDFLAGS = ["-fopenmp"]

@@ -716,6 +716,42 @@ def force_backend(name: str | None) -> str:
     return _backend
 
 
+AMX_ENV = "SERVELM_QUANT_AMX"  # "0": no AMX tiles; "1": AMX tiles (an error where the CPU has none)
+_amx_env_done = False
+
+
+def set_amx(enabled: bool | None) -> bool:
+    """Whether the 16-row kernel takes AMX tiles for 2+ rows of x (prompts, verify steps, batches; Intel Sapphire
+    Rapids and later, `csrc/rows16_amx.cpp`): True on (an error where the CPU has no AMX-INT8), False off, None
+    the default (on where the CPU has it). Its outputs are the AVX-512 VNNI kernel's bits either way. Returns
+    whether it is on. `SERVELM_QUANT_AMX` (0 or 1) does the same at start-up."""
+    if not build.load_quant_ops():
+        if enabled:
+            raise ValueError("AMX tiles: the quantised-weight kernels are not built here")
+        return False
+    try:
+        return bool(torch.ops.servelm_quant.set_amx(-1 if enabled is None else int(bool(enabled))))
+    except RuntimeError as e:
+        raise ValueError(f"AMX tiles: {str(e).splitlines()[0]}") from None
+
+
+def amx_in_use() -> bool:
+    """Whether the 16-row kernel takes AMX tiles for 2+ rows of x now (`set_amx`)."""
+    return build.load_quant_ops() and bool(torch.ops.servelm_quant.amx_on())
+
+
+def _apply_amx_env() -> None:
+    global _amx_env_done
+    if _amx_env_done:
+        return
+    value = os.environ.get(AMX_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{AMX_ENV}={value!r}: expected 0 or 1")
+    if value:
+        set_amx(value == "1")
+    _amx_env_done = True
+
+
 def _runs_on(name: str, best: str) -> bool:
     """Whether kernel path `name` runs on a CPU whose best ISA is `best` (not "torch")."""
     return _LEVELS.index(_RUNS_ON.get(name, name)) <= _LEVELS.index(best)
@@ -735,7 +771,10 @@ def kernel_backend() -> str:
 
     The first call builds or loads the kernel (see `servelm.kernels.build`).
     """
-    return _backend or force_backend(os.environ.get(FORCE_ENV))
+    if _backend:
+        return _backend
+    _apply_amx_env()
+    return force_backend(os.environ.get(FORCE_ENV))
 
 
 @cache

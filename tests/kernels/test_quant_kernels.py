@@ -752,6 +752,71 @@ def test_rows16_avx2_kernel_is_bitwise_the_avx512_one(fmt):
         quant.force_backend(None)
 
 
+AMX = quant.set_amx(None) if "avx512_vnni_i8" in INT8_PATHS else False
+
+
+@pytest.mark.skipif(not AMX, reason="needs AMX-INT8 (Intel Sapphire Rapids or later)")
+@pytest.mark.parametrize("fmt", [f for f in ROWS16 if f not in ("q6_k", "q8_0")])
+def test_rows16_amx_kernel_is_bitwise_the_avx512_one(fmt):
+    """The AMX tiles' block sums are the exact int32 ones of vpdpbusd and the fp32 steps are the AVX-512 kernel's:
+    the same bits at every M (below 12 rows the AVX-512 kernel's own; one tile of 12..16 rows, several tiles of a
+    group, whose later tiles read the codes the first one unpacked; 300 rows crossing a block of x's rows at
+    K = 4,608), with biases, minimums, offsets, scales of very different sizes and codes at their extremes; one
+    and two threads."""
+    g = torch.Generator().manual_seed(13)
+    threads = torch.get_num_threads()
+    try:
+        quant.force_backend("avx512_vnni_i8")
+        for n, k in ((48, 256), (32, 4608)) if fmt in K_QUANTS else ((48, 96), (32, 4608)):
+            qw = _rows16_weight(fmt, n, k, seed=n + 2)
+            il = quant.interleave_rows16(qw)
+            bias = torch.randn(n, generator=g)
+            for m in (5, 12, 13, 16, 17, 40) + ((300,) if k == 4608 else (1100,)):
+                x = torch.randn(m, k, generator=g)
+                x[0, :32] *= 1000
+                x[-1] = x[-1].sign() * 3.0  # every code +-127
+                b = bias if m % 2 else None
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    assert quant.set_amx(False) is False
+                    ref = quant.linear(x, il, b)
+                    assert quant.set_amx(True) and quant.amx_in_use()
+                    assert torch.equal(quant.linear(x, il, b), ref), (n, k, m, t)
+            top = dataclasses.replace(il, qs=torch.full_like(il.qs, 0xFF),
+                                      qh=None if il.qh is None else torch.full_like(il.qh, 0xFF))
+            x = torch.full((14, k), 3.0)
+            quant.set_amx(False)
+            ref = quant.linear(x, top)
+            quant.set_amx(True)
+            assert torch.equal(quant.linear(x, top), ref)
+    finally:
+        torch.set_num_threads(threads)
+        quant.set_amx(None)
+        quant.force_backend(None)
+
+
+def test_amx_switch_and_its_variable(monkeypatch):
+    """`set_amx` says what is in use; asking for AMX where the CPU has none, or a bad SERVELM_QUANT_AMX, is a
+    one-line error."""
+    try:
+        assert quant.set_amx(False) is False and not quant.amx_in_use()
+        assert quant.set_amx(None) is AMX
+        if AMX:
+            assert quant.set_amx(True) and quant.amx_in_use()
+        else:
+            with pytest.raises(ValueError, match="AMX tiles: "):
+                quant.set_amx(True)
+        monkeypatch.setattr(quant, "_amx_env_done", False)
+        monkeypatch.setenv(quant.AMX_ENV, "yes")
+        with pytest.raises(ValueError, match="SERVELM_QUANT_AMX='yes': expected 0 or 1"):
+            quant._apply_amx_env()
+        monkeypatch.setenv(quant.AMX_ENV, "0")
+        quant._apply_amx_env()
+        assert not quant.amx_in_use()
+    finally:
+        quant.set_amx(None)
+
+
 @pytest.mark.parametrize("path", ROWS16_PATHS)
 @pytest.mark.parametrize("fmt", ROWS16)
 def test_rows16_kernel_is_batch_invariant_at_every_m(fmt, path):

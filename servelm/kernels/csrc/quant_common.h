@@ -546,6 +546,12 @@ inline bool rows16_format(Fmt f) {
 // operations on its own rows of x and W, whatever M and the split: batch-invariant at every M.
 void rows16_gemm(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1);
 void rows16_gemm_avx2(const R16X& x, const R16W& w, const float* bias, float* y, int64_t g0, int64_t g1);
+// The same with AMX tiles (rows16_amx.cpp; the same bits), for the nibble formats: xa is x's codes in natural
+// order [M][KB][32], rows xas bytes apart. amx_usable(): the CPU has AMX-TILE and AMX-INT8 and the kernel gave this process the tiles.
+inline bool amx_format(Fmt f) { return rows16_format(f) && f != Q8_0 && f != Q6_K; }
+bool amx_usable();
+void rows16_gemm_amx(const R16X& x, const int8_t* xa, int64_t xas, const R16W& w, const float* bias, float* y, int64_t g0,
+                     int64_t g1);
 
 // The fp32 tile kernels (tiles_*.cpp), for many rows of x outside deterministic mode: rows of W dequantised `nb`
 // at a time into `buf` (exactly gguf's values, nb * KB * 32 floats), then y[:, n0:n1] = x @ W[n0:n1].T with x

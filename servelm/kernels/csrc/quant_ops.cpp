@@ -5,7 +5,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <immintrin.h>
 #include <limits>
 #include <tuple>
@@ -863,11 +865,34 @@ SplitMinFn split_min_for(int64_t isa) {
 // thread.
 template <typename T>
 T* scratch(int slot, int64_t count) {
-  thread_local std::vector<uint8_t> bufs[4];
+  thread_local std::vector<uint8_t> bufs[5];
   std::vector<uint8_t>& b = bufs[slot];
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(count, 1)) * sizeof(T) + 64;
   if (b.size() < bytes) b.resize(bytes);
   return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(b.data()) + 63) & ~uintptr_t{63});
+}
+
+// Whether the 16-row layout's matmuls of kAmxMinRows+ rows of x take AMX tiles (rows16_amx.cpp, the same bits as
+// the AVX-512 VNNI kernel): by default where the CPU has them (-1: not decided yet); set_amx (quant.set_amx,
+// SERVELM_QUANT_AMX) turns them off or on.
+std::atomic<int> g_amx{-1};
+constexpr int64_t kAmxMinRows = 12;
+
+bool amx_on() {
+  int v = g_amx.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = amx_usable();
+    g_amx.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+// mode 1: on (an error where the CPU has no AMX), 0: off, -1: the default again. Returns whether it is on.
+bool set_amx(int64_t mode) {
+  TORCH_CHECK(mode >= -1 && mode <= 1, "servelm_quant.set_amx: mode is -1, 0 or 1");
+  TORCH_CHECK(mode != 1 || amx_usable(), "this CPU has no AMX tiles (AMX-TILE and AMX-INT8)");
+  g_amx.store(static_cast<int>(mode), std::memory_order_relaxed);
+  return amx_on();
 }
 
 // x @ W.T over weights interleaved by 16 rows (R16W; qs [G, KB, ...] 5-D): rows16_avx512_vnni.cpp (avx2_i8:
@@ -962,6 +987,23 @@ at::Tensor linear_rows16(const at::Tensor& x, const at::Tensor& qs, const at::Te
           present(qh) ? static_cast<const uint8_t*>(qh->data_ptr()) : nullptr,
           present(sc) ? static_cast<const uint8_t*>(sc->data_ptr()) : nullptr, G, KB, f};
   float* yp = y.data_ptr<float>();
+  if (avx512 && M >= kAmxMinRows && amx_format(f) && amx_on()) {
+    // the AMX kernel's x: each block's 32 codes in natural order (the quad layout holds a block's elements 0..15
+    // and 16..31 64 bytes apart), rows a cache line longer than their codes (rows16_amx.cpp)
+    const int64_t xas = KB * kBlock + 64;
+    int8_t* xa = scratch<int8_t>(4, M * xas);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t i = m0; i < m1; ++i)
+        for (int64_t b = 0; b < KB; ++b) {
+          const int8_t* q = xv.q8 + i * xv.qstride + (b >> 2) * 128 + (b & 3) * 16;
+          int8_t* o = xa + i * xas + b * kBlock;
+          std::memcpy(o, q, 16);
+          std::memcpy(o + 16, q + 64, 16);
+        }
+    });
+    over_weight_rows(N, M, KB, [&](int64_t n0, int64_t n1) { rows16_gemm_amx(xv, xa, xas, wv, bp, yp, n0 / 16, n1 / 16); });
+    return y;
+  }
   const auto gemm = avx512 ? rows16_gemm : rows16_gemm_avx2;
   over_weight_rows(N, M, KB, [&](int64_t n0, int64_t n1) { gemm(xv, wv, bp, yp, n0 / 16, n1 / 16); });
 #endif
@@ -1239,6 +1281,8 @@ TORCH_LIBRARY(servelm_quant, lib) {
   lib.def("prep_panel(Tensor x, int offset, bool split, bool vector) -> (Tensor, Tensor, Tensor)",
           &servelm_quant::prep_panel);
   lib.def("best_isa() -> int", &servelm_quant::best_isa);
+  lib.def("set_amx(int mode) -> bool", &servelm_quant::set_amx);
+  lib.def("amx_on() -> bool", &servelm_quant::amx_on);
   lib.def("linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? qh, Tensor? qh2, Tensor? sc, int fmt, Tensor? bias, "
           "int isa) -> Tensor",
           &servelm_quant::linear);
