@@ -721,10 +721,10 @@ _amx_env_done = False
 
 
 def set_amx(enabled: bool | None) -> bool:
-    """Whether the 16-row kernel takes AMX tiles for 2+ rows of x (prompts, verify steps, batches; Intel Sapphire
-    Rapids and later, `csrc/rows16_amx.cpp`): True on (an error where the CPU has no AMX-INT8), False off, None
-    the default (on where the CPU has it). Its outputs are the AVX-512 VNNI kernel's bits either way. Returns
-    whether it is on. `SERVELM_QUANT_AMX` (0 or 1) does the same at start-up."""
+    """Whether the 16-row kernel takes AMX tiles for 12+ rows of x (prompts, large batches; Intel Sapphire Rapids
+    and later, `csrc/rows16_amx.cpp`): True on (an error where there are no AMX tiles), False off, None the
+    default (on where there are). Its outputs are the AVX-512 VNNI kernel's bits either way. Returns whether it
+    is on. `SERVELM_QUANT_AMX` (0 or 1) does the same at start-up."""
     if not build.load_quant_ops():
         if enabled:
             raise ValueError("AMX tiles: the quantised-weight kernels are not built here")
@@ -736,7 +736,7 @@ def set_amx(enabled: bool | None) -> bool:
 
 
 def amx_in_use() -> bool:
-    """Whether the 16-row kernel takes AMX tiles for 2+ rows of x now (`set_amx`)."""
+    """Whether the 16-row kernel takes AMX tiles for 12+ rows of x now (`set_amx`)."""
     return build.load_quant_ops() and bool(torch.ops.servelm_quant.amx_on())
 
 

@@ -890,7 +890,7 @@ bool amx_on() {
 // mode 1: on (an error where the CPU has no AMX), 0: off, -1: the default again. Returns whether it is on.
 bool set_amx(int64_t mode) {
   TORCH_CHECK(mode >= -1 && mode <= 1, "servelm_quant.set_amx: mode is -1, 0 or 1");
-  TORCH_CHECK(mode != 1 || amx_usable(), "this CPU has no AMX tiles (AMX-TILE and AMX-INT8)");
+  TORCH_CHECK(mode != 1 || amx_usable(), "no AMX tiles here (they take a CPU with AMX-TILE and AMX-INT8, Linux 5.16+ and GCC 11+)");
   g_amx.store(static_cast<int>(mode), std::memory_order_relaxed);
   return amx_on();
 }
