@@ -31,7 +31,6 @@
 
 // GCC 11 and clang 12 first took the AMX targets; an older compiler builds the stubs at the end.
 #if (defined(__x86_64__) || defined(_M_X64)) && (__GNUC__ >= 11 || __clang_major__ >= 12)
-#define SERVELM_AMX 1
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 
@@ -167,8 +166,7 @@ void run(const R16X& x, const int8_t* xa, int64_t xas, const R16W& w, const floa
   gbuf.resize(w.KB * 512 + 64);
   uint8_t* gb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(gbuf.data()) + 63) & ~uintptr_t{63});
   const bool pf = x.M <= kPrefetchRows;
-  const int64_t row_bytes = xas;
-  const int64_t mb = std::max<int64_t>(kTileRows, kXBlockBytes / row_bytes / kTileRows * kTileRows);
+  const int64_t mb = std::max<int64_t>(kTileRows, kXBlockBytes / xas / kTileRows * kTileRows);
   int shape = -1;
   for (int64_t m0 = 0; m0 < x.M; m0 += mb) {
     const int64_t m1 = std::min(x.M, m0 + mb);
